@@ -1,0 +1,1 @@
+"""Chunk-GRPO trainer for flow-matching text-to-image models."""

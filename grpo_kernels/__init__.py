@@ -1,0 +1,1 @@
+"""Fused GRPO kernels for flow-matching policies."""
