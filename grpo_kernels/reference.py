@@ -160,7 +160,7 @@ def chunk_grpo_loss_reference(
 def chunk_stats(
     ratio: torch.Tensor, chunk_mask: torch.Tensor, clip_low: float, clip_high: float
 ) -> dict[str, torch.Tensor]:
-    """Ratio and clip statistics over the trained (sample, chunk) pairs; NaN for untrained chunks."""
+    """Ratio and clip stats over the trained (sample, chunk) pairs; NaN for untrained chunks."""
     clipped = ((ratio < 1 - clip_low) | (ratio > 1 + clip_high)) & chunk_mask
     trained_per_chunk = chunk_mask.sum(dim=0)
     trained_ratios = ratio[chunk_mask]
