@@ -1,0 +1,136 @@
+"""One loader for every FLUX pipeline: the shipped tiny model, a local FLUX.1-dev copy, or a hub id.
+
+Nothing here falls back to another model. A missing directory, missing weights, an offline machine
+or a tokenizer that silently reloaded as a stub all raise `ModelLoadError` saying what to download
+and where to put it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from diffusers import FluxPipeline
+
+FLUX_DEV_ID = "black-forest-labs/FLUX.1-dev"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin")
+# (tokenizer attribute, text encoder attribute) pairs FluxPipeline uses.
+_TOKENIZER_PAIRS = (("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2"))
+
+
+class ModelLoadError(ValueError):
+    """The model named by `path_or_id` cannot be loaded as asked; the message says how to fix it."""
+
+
+def _download_hint(target: str) -> str:
+    return (
+        f"Download the diffusers-format weights on a machine with network access, e.g.\n"
+        f"  hf download {FLUX_DEV_ID} --local-dir {target}\n"
+        f"(FLUX.1-dev is gated: accept its licence on huggingface.co and `hf auth login` first), "
+        f"then pass that directory as the model path. The built-in tiny model is "
+        f"chunk_grpo.models.EMBEDDED_MODEL."
+    )
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return (
+        len(parts) == 2
+        and all(parts)
+        and not name.startswith((".", "~"))
+        and not os.path.isabs(name)
+    )
+
+
+def _check_local_directory(path: Path) -> None:
+    if not path.exists():
+        raise ModelLoadError(
+            f"model directory {path} does not exist.\n" + _download_hint(str(path))
+        )
+    index = path / "model_index.json"
+    if not index.is_file():
+        raise ModelLoadError(
+            f"{path} is not a diffusers pipeline directory (no model_index.json).\n"
+            + _download_hint(str(path))
+        )
+    components = json.loads(index.read_text())
+    missing = []
+    for name, spec in components.items():
+        if name.startswith("_") or not isinstance(spec, list) or spec[0] is None:
+            continue
+        folder = path / name
+        if not folder.is_dir():
+            missing.append(f"{name}/ (folder missing)")
+        elif name in ("transformer", "vae", "text_encoder", "text_encoder_2"):
+            if not any(f.name.endswith(_WEIGHT_SUFFIXES) for f in folder.iterdir()):
+                missing.append(f"{name}/ (no .safetensors weights)")
+    if missing:
+        raise ModelLoadError(
+            f"model directory {path} is incomplete: {', '.join(missing)}.\n"
+            + _download_hint(str(path))
+        )
+
+
+def check_tokenizers(pipeline: FluxPipeline, source: str) -> None:
+    """Fail if a tokenizer does not match its text encoder's vocabulary.
+
+    With missing tokenizer files (and HF_HUB_OFFLINE=1) transformers can build a 2- to 4-token stub
+    without any error; every prompt then encodes to the same ids and the model ignores its prompt.
+    """
+    for tok_name, enc_name in _TOKENIZER_PAIRS:
+        tokenizer = getattr(pipeline, tok_name, None)
+        encoder = getattr(pipeline, enc_name, None)
+        if tokenizer is None or encoder is None:
+            raise ModelLoadError(f"{source}: the pipeline has no {tok_name}/{enc_name}")
+        n_tokens, vocab_size = len(tokenizer), encoder.config.vocab_size
+        # Real checkpoints pad the embedding table a little (T5: 32100 tokens, 32128 rows).
+        if not (0.9 * vocab_size <= n_tokens <= vocab_size):
+            raise ModelLoadError(
+                f"{source}: {tok_name} has {n_tokens} tokens but {enc_name} expects a "
+                f"vocabulary of {vocab_size}; the tokenizer files are missing or broken "
+                f"(offline loading can silently build a stub tokenizer). Restore "
+                f"{source}/{tok_name}/ from the original download.\n" + _download_hint(source)
+            )
+
+
+def load_flux_pipeline(
+    path_or_id: str | os.PathLike,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> FluxPipeline:
+    """Load a FLUX diffusers pipeline from a local directory or a hub id, and check it."""
+    name = os.fspath(path_or_id)
+    local = Path(name).expanduser()
+    if isinstance(path_or_id, os.PathLike) or local.exists() or not _looks_like_hub_id(name):
+        _check_local_directory(local)
+        source = str(local)
+        try:
+            pipeline = FluxPipeline.from_pretrained(local, dtype=dtype, local_files_only=True)
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(
+                f"could not load the pipeline in {local}: {err}\n" + _download_hint(str(local))
+            ) from err
+    else:
+        from huggingface_hub import constants
+
+        source = name
+        offline = bool(constants.HF_HUB_OFFLINE)
+        try:
+            pipeline = FluxPipeline.from_pretrained(name, dtype=dtype, local_files_only=offline)
+        except (OSError, ValueError) as err:
+            why = (
+                "HF_HUB_OFFLINE is set and it is not in the local Hugging Face cache "
+                f"({constants.HF_HUB_CACHE})"
+                if offline
+                else "downloading it failed (no network, or a gated model without a login token)"
+            )
+            raise ModelLoadError(
+                f"cannot load hub model {name!r}: {why}: {err}\n"
+                + _download_hint(f"/path/to/{name.split('/')[-1]}")
+            ) from err
+    check_tokenizers(pipeline, source)
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline.to(device)

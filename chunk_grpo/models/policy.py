@@ -1,0 +1,263 @@
+"""`FluxPolicy`: what the trainer needs from a FLUX pipeline, and nothing hidden.
+
+Prompts are encoded once (`encode_prompts`) and expanded into groups without re-encoding. The
+velocity follows the flow-matching convention x_sigma = (1 - sigma) * x0 + sigma * noise, so an ODE
+step is x' = x + (sigma' - sigma) * v -- the same step FluxPipeline's scheduler takes. `velocity`
+is a pure function of its inputs and the transformer's weights: a sample evaluated alone or inside
+a batch gives the same result up to float rounding, which recomputed log-probs rely on.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from diffusers import FluxPipeline
+
+from chunk_grpo.models.latents import image_ids, pack_latents, unpack_latents
+from chunk_grpo.models.loading import load_flux_pipeline
+from chunk_grpo.models.sampling_defaults import SamplingDefaults
+
+EMBEDDED_MODEL = Path(__file__).resolve().parent.parent / "assets" / "tiny-flux-shapes"
+
+
+@dataclass
+class PromptEmbeds:
+    """Encoded prompts: T5 `prompt_embeds` [B, L, D], CLIP `pooled` [B, Dp], `text_ids` [L, 3]."""
+
+    prompt_embeds: torch.Tensor
+    pooled: torch.Tensor
+    text_ids: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.prompt_embeds.shape[0]
+
+    def index(self, idx: torch.Tensor | list[int] | slice) -> PromptEmbeds:
+        """Select rows (e.g. the prompts of a micro-batch)."""
+        if isinstance(idx, list):
+            idx = torch.tensor(idx, dtype=torch.long)
+        return PromptEmbeds(self.prompt_embeds[idx], self.pooled[idx], self.text_ids)
+
+    def repeat_interleave(self, n: int) -> PromptEmbeds:
+        """Each prompt n times in a row: [p0, p0, ..., p1, p1, ...] (groups of n)."""
+        if n < 1:
+            raise ValueError(f"repeat_interleave needs n >= 1, got {n}")
+        return PromptEmbeds(
+            self.prompt_embeds.repeat_interleave(n, dim=0),
+            self.pooled.repeat_interleave(n, dim=0),
+            self.text_ids,
+        )
+
+    @staticmethod
+    def cat(parts: list[PromptEmbeds]) -> PromptEmbeds:
+        if not parts:
+            raise ValueError("PromptEmbeds.cat needs at least one part")
+        return PromptEmbeds(
+            torch.cat([p.prompt_embeds for p in parts]),
+            torch.cat([p.pooled for p in parts]),
+            parts[0].text_ids,
+        )
+
+    def to(self, device=None, dtype=None) -> PromptEmbeds:
+        return PromptEmbeds(
+            self.prompt_embeds.to(device=device, dtype=dtype),
+            self.pooled.to(device=device, dtype=dtype),
+            self.text_ids.to(device=device, dtype=dtype),
+        )
+
+
+class FluxPolicy:
+    """A FLUX pipeline seen as a policy: encode prompts, velocity, initial noise, decode."""
+
+    def __init__(self, pipeline: FluxPipeline, defaults: SamplingDefaults | None = None):
+        self.pipeline = pipeline
+        self.defaults = defaults or SamplingDefaults()
+        self.height = self.defaults.height
+        self.width = self.defaults.width
+        self.max_sequence_length = self.defaults.max_sequence_length
+        self.default_cfg_scale = self.defaults.default_cfg_scale
+        self.guidance_scale = self.defaults.guidance_scale
+        self.vae_scale_factor = 2 ** (len(pipeline.vae.config.block_out_channels) - 1)
+        self.latent_channels = pipeline.transformer.config.in_channels // 4
+        # Only the transformer is trained; the rest stays frozen.
+        for module in (pipeline.vae, pipeline.text_encoder, pipeline.text_encoder_2):
+            module.requires_grad_(False)
+            module.eval()
+        self._negative: PromptEmbeds | None = None
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path_or_id: str | os.PathLike = EMBEDDED_MODEL,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> FluxPolicy:
+        pipeline = load_flux_pipeline(path_or_id, dtype=dtype, device=device)
+        local = Path(os.fspath(path_or_id)).expanduser()
+        defaults = SamplingDefaults.load(local) if local.is_dir() else SamplingDefaults()
+        return cls(pipeline, defaults)
+
+    @property
+    def transformer(self) -> torch.nn.Module:
+        return self.pipeline.transformer
+
+    @property
+    def vae(self) -> torch.nn.Module:
+        return self.pipeline.vae
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.dtype
+
+    def latent_grid(self, height: int | None = None, width: int | None = None) -> tuple[int, int]:
+        """Token grid (rows, columns) for an image size; FLUX packs 2x2 latent patches."""
+        height, width = height or self.height, width or self.width
+        step = self.vae_scale_factor * 2
+        if height % step or width % step:
+            raise ValueError(f"height and width must be multiples of {step}, got {height}x{width}")
+        return height // step, width // step
+
+    # ---- prompts -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
+        """Encode prompts once (lowercased: the tiny model's tokenizers know lowercase words)."""
+        if isinstance(prompts, str) or not prompts:
+            raise ValueError("prompts must be a non-empty list of strings")
+        lowered = [p.lower() for p in prompts]
+        embeds, pooled, text_ids = self.pipeline.encode_prompt(
+            prompt=lowered,
+            prompt_2=lowered,
+            device=self.device,
+            max_sequence_length=self.max_sequence_length,
+        )
+        return PromptEmbeds(embeds.to(self.dtype), pooled.to(self.dtype), text_ids.to(self.dtype))
+
+    def negative_embeds(self, batch: int) -> PromptEmbeds:
+        """The unconditional prompt (the caption-dropout target) repeated `batch` times."""
+        if self._negative is None:
+            self._negative = self.encode_prompts([self.defaults.negative_prompt])
+        return self._negative.repeat_interleave(batch)
+
+    # ---- latents -------------------------------------------------------------------------
+
+    def initial_noise(
+        self,
+        batch: int,
+        generator: torch.Generator | None = None,
+        height: int | None = None,
+        width: int | None = None,
+    ) -> torch.Tensor:
+        """Packed Gaussian latents [B, N, C]: the draw FluxPipeline makes for this generator."""
+        gh, gw = self.latent_grid(height, width)
+        shape = (batch, self.latent_channels, gh * 2, gw * 2)
+        gen_device = generator.device if generator is not None else self.device
+        noise = torch.randn(shape, generator=generator, device=gen_device, dtype=self.dtype)
+        return pack_latents(noise.to(self.device))
+
+    def _grid_for(self, n_tokens: int, height: int | None, width: int | None) -> tuple[int, int]:
+        if height is not None or width is not None:
+            grid = self.latent_grid(height, width)
+        else:
+            grid = self.latent_grid()
+            if grid[0] * grid[1] != n_tokens:
+                side = round(n_tokens**0.5)
+                if side * side != n_tokens:
+                    raise ValueError(
+                        f"{n_tokens} latent tokens do not match the default {self.height}x"
+                        f"{self.width} image; pass height= and width="
+                    )
+                grid = (side, side)
+        if grid[0] * grid[1] != n_tokens:
+            raise ValueError(f"latents have {n_tokens} tokens, but the image size gives {grid}")
+        return grid
+
+    def velocity(
+        self,
+        latents: torch.Tensor,
+        sigma: torch.Tensor | float,
+        embeds: PromptEmbeds,
+        *,
+        cfg_scale: float = 1.0,
+        negative: PromptEmbeds | None = None,
+        height: int | None = None,
+        width: int | None = None,
+    ) -> torch.Tensor:
+        """Flow velocity v [B, N, C] at noise level sigma [B] (1 = pure noise, 0 = clean).
+
+        cfg_scale > 1 applies true classifier-free guidance against `negative` (default: the
+        model's unconditional prompt): v = v_neg + cfg_scale * (v_cond - v_neg).
+        """
+        if latents.ndim != 3:
+            raise ValueError(f"latents must be packed [B, N, C], got shape {tuple(latents.shape)}")
+        b, n, _ = latents.shape
+        if len(embeds) != b:
+            raise ValueError(f"embeds has {len(embeds)} prompts for {b} latents; expand it first")
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device)
+        sigma = sigma.expand(b) if sigma.ndim == 0 else sigma
+        if sigma.shape != (b,):
+            raise ValueError(
+                f"sigma must be a scalar or have shape [{b}], got {tuple(sigma.shape)}"
+            )
+        ids = image_ids(self._grid_for(n, height, width), device=latents.device, dtype=self.dtype)
+        x = latents.to(self.dtype)
+        if cfg_scale != 1.0:
+            negative = negative if negative is not None else self.negative_embeds(b)
+            if len(negative) != b:
+                raise ValueError(f"negative has {len(negative)} prompts for {b} latents")
+            both = PromptEmbeds.cat([embeds, negative])
+            out = self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]), both, ids)
+            v_cond, v_neg = out[:b], out[b:]
+            v = v_neg + cfg_scale * (v_cond - v_neg)
+        else:
+            v = self._forward(x, sigma, embeds, ids)
+        return v.to(latents.dtype)
+
+    def _forward(self, x, sigma, embeds: PromptEmbeds, ids) -> torch.Tensor:
+        transformer = self.transformer
+        guidance = None
+        if transformer.config.guidance_embeds:
+            guidance = torch.full_like(sigma, self.guidance_scale)
+        return transformer(
+            hidden_states=x,
+            # FLUX's transformer multiplies the timestep by 1000 itself: pass sigma in [0, 1].
+            timestep=sigma.to(self.dtype),
+            guidance=guidance,
+            pooled_projections=embeds.pooled.to(self.dtype),
+            encoder_hidden_states=embeds.prompt_embeds.to(self.dtype),
+            txt_ids=embeds.text_ids.to(self.dtype),
+            img_ids=ids,
+            return_dict=False,
+        )[0]
+
+    # ---- pixels --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def decode(
+        self, latents: torch.Tensor, height: int | None = None, width: int | None = None
+    ) -> torch.Tensor:
+        """Packed latents [B, N, C] -> images [B, 3, H, W] float32 in [0, 1]."""
+        grid = self._grid_for(latents.shape[1], height, width)
+        config = self.vae.config
+        z = unpack_latents(latents.to(self.vae.dtype), grid)
+        z = z / config.scaling_factor + config.shift_factor
+        images = self.vae.decode(z, return_dict=False)[0]
+        return (images.float() / 2 + 0.5).clamp(0, 1)
+
+    @torch.no_grad()
+    def encode_images(self, images: torch.Tensor, generator: torch.Generator | None = None):
+        """Images [B, 3, H, W] in [0, 1] -> packed, normalised latents [B, N, C] (posterior mode
+        when generator is None, a posterior sample otherwise)."""
+        if images.ndim != 4 or images.shape[1] != 3:
+            raise ValueError(f"images must be [B, 3, H, W], got {tuple(images.shape)}")
+        config = self.vae.config
+        dist = self.vae.encode(images.to(self.vae.dtype) * 2 - 1).latent_dist
+        z = dist.mode() if generator is None else dist.sample(generator)
+        return pack_latents((z - config.shift_factor) * config.scaling_factor).to(self.dtype)

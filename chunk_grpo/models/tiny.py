@@ -1,0 +1,239 @@
+"""A randomly initialised FLUX pipeline small enough for a CPU, built without any download.
+
+Every component is the class FLUX.1-dev uses (FluxTransformer2DModel, AutoencoderKL, CLIPTextModel,
+T5EncoderModel, FlowMatchEulerDiscreteScheduler), so `FluxPipeline.save_pretrained` /
+`from_pretrained` and the rest of the project treat it exactly like the real model. The two
+tokenizers are built from a word list: a word-level T5 unigram vocabulary and a CLIP byte-level BPE
+trained on the words (whole words become single tokens; unknown words still tokenize into bytes).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    FlowMatchEulerDiscreteScheduler,
+    FluxPipeline,
+    FluxTransformer2DModel,
+)
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTokenizer,
+    T5Config,
+    T5EncoderModel,
+    T5Tokenizer,
+)
+
+from chunk_grpo.models.sampling_defaults import SamplingDefaults
+
+CLIP_MAX_LENGTH = 77
+_CLIP_SPECIALS = ("<|startoftext|>", "<|endoftext|>")
+
+
+@dataclass(frozen=True)
+class TinyFluxSizes:
+    """Sizes of every component; the defaults are the shipped shapes model."""
+
+    num_layers: int = 2  # double-stream (MMDiT) blocks
+    num_single_layers: int = 4
+    num_attention_heads: int = 4
+    attention_head_dim: int = 32
+    axes_dims_rope: tuple[int, int, int] = (8, 12, 12)  # sums to attention_head_dim
+    vae_block_out_channels: tuple[int, ...] = (32, 64, 64)  # 3 levels -> 4x downsampling
+    vae_layers_per_block: int = 1
+    vae_norm_num_groups: int = 16
+    latent_channels: int = 4
+    t5_d_model: int = 64
+    t5_layers: int = 1
+    t5_heads: int = 4
+    t5_d_ff: int = 128
+    clip_hidden: int = 64
+    clip_layers: int = 1
+    clip_heads: int = 4
+    clip_intermediate: int = 128
+
+
+def _sizes_from_kwargs(sizes: dict) -> TinyFluxSizes:
+    known = {f.name for f in fields(TinyFluxSizes)}
+    unknown = sorted(set(sizes) - known)
+    if unknown:
+        raise ValueError(f"unknown size argument(s) {unknown}; valid names: {sorted(known)}")
+    result = TinyFluxSizes(**{k: tuple(v) if isinstance(v, list) else v for k, v in sizes.items()})
+    if sum(result.axes_dims_rope) != result.attention_head_dim:
+        raise ValueError(
+            f"axes_dims_rope {result.axes_dims_rope} must sum to attention_head_dim "
+            f"{result.attention_head_dim}"
+        )
+    return result
+
+
+def _clean_vocabulary(vocabulary: list[str]) -> list[str]:
+    if not vocabulary:
+        raise ValueError("vocabulary is empty; pass the list of words prompts can contain")
+    words = []
+    for word in vocabulary:
+        if not isinstance(word, str) or not word.strip() or any(c.isspace() for c in word.strip()):
+            raise ValueError(f"vocabulary entries must be single non-empty words, got {word!r}")
+        words.append(word.strip().lower())
+    return sorted(set(words))
+
+
+def build_t5_tokenizer(vocabulary: list[str]) -> T5Tokenizer:
+    """Word-level T5 tokenizer: <pad>=0, </s>=1, <unk>=2, then one token per word (lowercase)."""
+    words = _clean_vocabulary(vocabulary)
+    # Equal scores: every listed word is one piece; an unknown word becomes one <unk>.
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    vocab += [("\u2581" + w, -1.0) for w in words]
+    return T5Tokenizer(vocab=vocab, extra_ids=0)
+
+
+def build_clip_tokenizer(vocabulary: list[str]) -> CLIPTokenizer:
+    """CLIP byte-level BPE trained on the words, so each known word is a single token."""
+    words = _clean_vocabulary(vocabulary)
+    bpe = Tokenizer(models.BPE(end_of_word_suffix="</w>", unk_token=_CLIP_SPECIALS[1]))
+    bpe.normalizer = normalizers.Lowercase()
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=len(_CLIP_SPECIALS) + 2 * len(alphabet) + 8 * sum(len(w) for w in words),
+        special_tokens=list(_CLIP_SPECIALS),
+        initial_alphabet=alphabet,
+        end_of_word_suffix="</w>",
+        show_progress=False,
+    )
+    bpe.train_from_iterator(words * 4, trainer=trainer)
+    model = json.loads(bpe.to_str())["model"]
+    vocab = dict(model["vocab"])
+    # Single bytes at the end of a word also need their "</w>" form to cover any input.
+    for char in alphabet:
+        vocab.setdefault(char + "</w>", len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    tokenizer = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=CLIP_MAX_LENGTH)
+    for word in words:
+        if len(tokenizer.tokenize(word)) != 1:
+            raise RuntimeError(f"CLIP BPE did not learn {word!r} as a single token")
+    return tokenizer
+
+
+def build_tiny_flux_pipeline(vocabulary: list[str], *, seed: int = 0, **sizes) -> FluxPipeline:
+    """A randomly initialised FLUX pipeline with tokenizers for `vocabulary` (see TinyFluxSizes)."""
+    s = _sizes_from_kwargs(sizes)
+    tokenizer = build_clip_tokenizer(vocabulary)
+    tokenizer_2 = build_t5_tokenizer(vocabulary)
+    torch.manual_seed(seed)
+
+    clip_config = CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=s.clip_hidden,
+        intermediate_size=s.clip_intermediate,
+        num_hidden_layers=s.clip_layers,
+        num_attention_heads=s.clip_heads,
+        max_position_embeddings=CLIP_MAX_LENGTH,
+        projection_dim=s.clip_hidden,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    text_encoder = CLIPTextModel(clip_config)
+
+    t5_config = T5Config(
+        vocab_size=len(tokenizer_2),
+        d_model=s.t5_d_model,
+        d_kv=s.t5_d_model // s.t5_heads,
+        d_ff=s.t5_d_ff,
+        num_layers=s.t5_layers,
+        num_heads=s.t5_heads,
+        feed_forward_proj="gated-gelu",
+        dropout_rate=0.0,
+        is_encoder_decoder=False,
+        use_cache=False,
+        pad_token_id=tokenizer_2.pad_token_id,
+        eos_token_id=tokenizer_2.eos_token_id,
+    )
+    text_encoder_2 = T5EncoderModel(t5_config)
+
+    levels = len(s.vae_block_out_channels)
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * levels,
+        up_block_types=("UpDecoderBlock2D",) * levels,
+        block_out_channels=s.vae_block_out_channels,
+        layers_per_block=s.vae_layers_per_block,
+        latent_channels=s.latent_channels,
+        norm_num_groups=s.vae_norm_num_groups,
+        sample_size=64,
+        scaling_factor=1.0,
+        shift_factor=0.0,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        mid_block_add_attention=False,
+    )
+
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4 * s.latent_channels,
+        num_layers=s.num_layers,
+        num_single_layers=s.num_single_layers,
+        attention_head_dim=s.attention_head_dim,
+        num_attention_heads=s.num_attention_heads,
+        joint_attention_dim=s.t5_d_model,
+        pooled_projection_dim=s.clip_hidden,
+        guidance_embeds=False,
+        axes_dims_rope=s.axes_dims_rope,
+    )
+    # Fixed shift 3 (DESIGN.md schedule): the pipeline samples with the sigmas the trainer uses.
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=False)
+
+    pipeline = FluxPipeline(
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2,
+        transformer=transformer,
+    )
+    pipeline.tiny_sizes = asdict(s)
+    return pipeline
+
+
+# Sizes for unit tests: 32x32 images (2x VAE downsampling, 64 tokens), built in milliseconds.
+TEST_SIZES = dict(
+    num_layers=1,
+    num_single_layers=1,
+    num_attention_heads=2,
+    attention_head_dim=16,
+    axes_dims_rope=(4, 6, 6),
+    vae_block_out_channels=(8, 16),
+    vae_norm_num_groups=4,
+    t5_d_model=16,
+    t5_d_ff=32,
+    t5_heads=2,
+    clip_hidden=16,
+    clip_intermediate=32,
+    clip_heads=2,
+)
+TEST_DEFAULTS = SamplingDefaults(height=32, width=32, max_sequence_length=16, default_cfg_scale=2.0)
+
+
+def save_tiny_flux(
+    directory: str | Path,
+    vocabulary: list[str],
+    *,
+    seed: int = 0,
+    defaults: SamplingDefaults = TEST_DEFAULTS,
+    **sizes,
+) -> Path:
+    """Build a random tiny pipeline (TEST_SIZES unless sizes are given), save it with its
+    sampling defaults and return the directory, which `FluxPolicy.from_pretrained` loads."""
+    pipeline = build_tiny_flux_pipeline(vocabulary, seed=seed, **(sizes or TEST_SIZES))
+    pipeline.save_pretrained(directory)
+    defaults.save(directory)
+    return Path(directory)
