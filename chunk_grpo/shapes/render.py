@@ -1,6 +1,6 @@
 """Render a shapes-world scene: flat-coloured objects on a plain light background.
 
-Objects are axis-aligned (squares, discs, upward triangles) with hard edges, at least 2 pixels
+Objects are axis-aligned (squares, discs, upward triangles) with hard edges, at least 4 pixels
 apart so that each one is its own connected component. Positions and relations are realised by
 giving each group a region of the canvas: a half for a position, two sides of a random split line
 for a relation, so every object of "A left of B" lies left of every object of B.
@@ -26,7 +26,7 @@ PALETTE: dict[str, tuple[int, int, int]] = {
 }
 # Side of the bounding box at 64x64; scaled with the canvas size.
 EXTENT_AT_64 = {"small": 10, "large": 16}
-_GAP = 2  # background pixels between any two objects
+_GAP = 4  # background pixels between objects: blurry generated edges still leave a gap
 _MAX_TRIES = 200
 
 
@@ -68,8 +68,8 @@ def _group_regions(scene: Scene, size: int, rng: np.random.Generator) -> list[tu
     margin = object_extent("large", size) + 4
     split = size * a.count / (a.count + b.count) + rng.integers(-size // 16, size // 16 + 1)
     split = int(np.clip(round(split), margin, size - margin))
-    first = (1, split - 1)
-    second = (split + 1, size - 1)
+    first = (1, split - _GAP // 2)
+    second = (split + _GAP // 2, size - 1)
     if scene.relation in ("right of", "below"):
         first, second = second, first
     if scene.relation in ("left of", "right of"):
