@@ -1,0 +1,185 @@
+import dataclasses
+import time
+
+import numpy as np
+import pytest
+import torch
+from scipy import ndimage
+
+from chunk_grpo.rewards import ShapesReward, available_rewards, get_reward, register_reward
+from chunk_grpo.shapes import (
+    PromptError,
+    Scene,
+    layout_scene,
+    parse_prompt,
+    random_scene,
+    render_scene,
+    scene_to_prompt,
+)
+from chunk_grpo.shapes.render import draw_objects
+
+
+def to_tensor(images) -> torch.Tensor:
+    array = np.stack(images).astype(np.float32) / 255.0
+    return torch.from_numpy(array).permute(0, 3, 1, 2).contiguous()
+
+
+@pytest.fixture(scope="module")
+def reward():
+    return get_reward("shapes")
+
+
+def score(reward, image: np.ndarray, prompt: str) -> float:
+    return float(reward(to_tensor([image]), [prompt])[0])
+
+
+def test_ground_truth_scores_near_one(reward):
+    rng = np.random.default_rng(0)
+    scenes = [random_scene(rng, split="all") for _ in range(400)]
+    images = to_tensor([render_scene(s, rng=rng) for s in scenes])
+    scores = reward(images, [scene_to_prompt(s) for s in scenes])
+    assert scores.dtype == torch.float32 and scores.shape == (400,)
+    assert scores.mean() >= 0.98
+    assert torch.equal(scores, reward(images, [scene_to_prompt(s) for s in scenes]))
+
+
+def test_blurred_ground_truth_keeps_most_credit(reward):
+    rng = np.random.default_rng(1)
+    scenes = [random_scene(rng, split="all") for _ in range(100)]
+    images = [render_scene(s, rng=rng).astype(np.float32) for s in scenes]
+    blurred = [ndimage.gaussian_filter(im, (1.0, 1.0, 0)) for im in images]
+    assert reward(to_tensor(blurred), [scene_to_prompt(s) for s in scenes]).mean() >= 0.95
+
+
+def test_noise_scores_near_zero(reward):
+    prompts = [scene_to_prompt(random_scene(np.random.default_rng(i))) for i in range(128)]
+    noise = torch.rand(128, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    assert reward(noise, prompts).mean() <= 0.05
+    assert reward(torch.full((128, 3, 64, 64), 0.96), prompts).max() == 0.0  # blank canvas
+
+
+def _other(values, current):
+    return next(v for v in values if v != current)
+
+
+def _with_group(scene: Scene, index: int, **changes) -> Scene:
+    groups = list(scene.objects)
+    groups[index] = dataclasses.replace(groups[index], **changes)
+    return dataclasses.replace(scene, objects=tuple(groups))
+
+
+FLIP = {
+    "left": "right",
+    "right": "left",
+    "top": "bottom",
+    "bottom": "top",
+    "left of": "right of",
+    "right of": "left of",
+    "above": "below",
+    "below": "above",
+}
+
+SCENES = [
+    "two small red circles",
+    "a large yellow square",
+    "three large cyan triangles",
+    "a small purple circle on the left",
+    "two large green triangles at the bottom",
+    "a large blue square above two small yellow triangles",
+    "two small red squares to the left of a large cyan circle",
+    "a large purple triangle below a small green circle",
+]
+
+
+@pytest.mark.parametrize("prompt", SCENES)
+def test_each_kind_of_error_lowers_the_score(reward, prompt):
+    scene = parse_prompt(prompt)
+    seed = 3
+    truth = score(reward, render_scene(scene, rng=seed), prompt)
+    assert truth >= 0.98
+    group = scene.objects[0]
+    # Same layout (same seed), one attribute of the first group changed.
+    wrong = {
+        "colour": _with_group(scene, 0, colour=_other(("red", "blue"), group.colour)),
+        "shape": _with_group(scene, 0, shape=_other(("circle", "square"), group.shape)),
+        "size": _with_group(scene, 0, size=_other(("small", "large"), group.size)),
+        "count": _with_group(scene, 0, count=group.count + 1 if group.count < 2 else 1),
+    }
+    if scene.position is not None:
+        wrong["position"] = dataclasses.replace(scene, position=FLIP[scene.position])
+    if scene.relation is not None:
+        wrong["relation"] = dataclasses.replace(scene, relation=FLIP[scene.relation])
+    for kind, bad_scene in wrong.items():
+        bad = score(reward, render_scene(bad_scene, rng=seed), prompt)
+        assert bad < truth - 0.02, (kind, bad, truth)
+    placed = layout_scene(scene, rng=seed)
+    missing = score(reward, draw_objects(placed[1:]), prompt)
+    assert missing < truth - 0.1
+    two_wrong = _with_group(wrong["colour"], 0, shape=wrong["shape"].objects[0].shape)
+    assert score(reward, render_scene(two_wrong, rng=seed), prompt) < score(
+        reward, render_scene(wrong["colour"], rng=seed), prompt
+    )
+
+
+def test_details_report_the_wrong_attribute(reward):
+    prompt = "a large red circle to the left of a small blue square"
+    scene = parse_prompt(prompt)
+    truth = reward.details(to_tensor([render_scene(scene, rng=0)]), [prompt])
+    assert all(float(v[0]) == 1.0 for v in truth.values())
+    bad_scene = dataclasses.replace(_with_group(scene, 0, colour="green"), relation="right of")
+    bad = reward.details(to_tensor([render_scene(bad_scene, rng=0)]), [prompt])
+    assert float(bad["colour_acc"][0]) == 0.5  # one of two objects
+    assert float(bad["shape_acc"][0]) == 1.0 and float(bad["size_acc"][0]) == 1.0
+    assert float(bad["spatial_acc"][0]) == 0.0 and float(bad["exact"][0]) == 0.0
+    plain = reward.details(
+        to_tensor([render_scene(parse_prompt("a small red circle"))]), ["a small red circle"]
+    )
+    assert torch.isnan(plain["spatial_acc"][0])
+
+
+def test_bad_inputs_raise(reward):
+    image = torch.zeros(1, 3, 64, 64)
+    with pytest.raises(PromptError, match="vocabulary"):
+        reward(image, ["a photo of a cat"])
+    with pytest.raises(ValueError, match="prompts"):
+        reward(torch.zeros(2, 3, 64, 64), ["a small red circle"])
+    with pytest.raises(ValueError, match=r"\[B, 3, H, W\]"):
+        reward(torch.zeros(1, 64, 64, 3), ["a small red circle"])
+    with pytest.raises(ValueError, match="list"):
+        reward(image, "a small red circle")
+
+
+def test_registry():
+    assert "shapes" in available_rewards()
+    assert isinstance(get_reward("shapes"), ShapesReward)
+    with pytest.raises(ValueError, match="available"):
+        get_reward("no-such-reward")
+
+    @register_reward("test-constant")
+    class Constant:
+        def __init__(self, value: float = 0.5):
+            self.value = value
+
+        def __call__(self, images, prompts):
+            return torch.full((len(prompts),), self.value)
+
+    assert get_reward("test-constant", value=0.25)(None, ["x", "y"]).tolist() == [0.25, 0.25]
+    with pytest.raises(ValueError, match="already registered"):
+        register_reward("shapes")(Constant)
+
+
+def test_throughput_one_core(reward):
+    rng = np.random.default_rng(4)
+    scenes = [random_scene(rng, split="all") for _ in range(256)]
+    images = to_tensor([render_scene(s, rng=rng) for s in scenes])
+    prompts = [scene_to_prompt(s) for s in scenes]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        reward(images[:8], prompts[:8])  # warm up
+        start = time.perf_counter()
+        reward(images, prompts)
+        rate = len(prompts) / (time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    assert rate >= 200, f"{rate:.0f} images/s"
