@@ -107,9 +107,13 @@ def test_layout_realises_positions_and_relations():
         scene = random_scene(rng, split="all")
         placed = layout_scene(scene, rng=rng)
         assert len(placed) == scene.num_objects
-        for obj in placed:
+        for i, obj in enumerate(placed):
             assert 0 <= obj.x0 and obj.x0 + obj.extent <= 64
             assert 0 <= obj.y0 and obj.y0 + obj.extent <= 64
+            for other in placed[:i]:  # at least 4 background pixels between boxes
+                gap_x = max(other.x0 - obj.x0 - obj.extent, obj.x0 - other.x0 - other.extent)
+                gap_y = max(other.y0 - obj.y0 - obj.extent, obj.y0 - other.y0 - other.extent)
+                assert max(gap_x, gap_y) >= 4, scene
         if scene.position is not None:
             cx = [o.centre[0] for o in placed]
             cy = [o.centre[1] for o in placed]
