@@ -24,44 +24,42 @@ def _triton():
 
 
 class SdeStepLogprobFunction(torch.autograd.Function):
-    """logp[i] = alpha[i] * sum_k (x'[i,k] - a[i] x[i,k] - b[i] v[i,k])^2 + beta[i]."""
+    """logp[i] = alpha[i] * sum_k (x'[i,k] - a[i] x[i,k] - b[i] v[i,k])^2 + beta[i].
+
+    sigma, sigma_next, eta, sigma_max: [B] tensors of the compute dtype (constants).
+    """
 
     @staticmethod
-    def forward(ctx, x, v, x_next, sigma, sigma_next, eta, kind, sigma_max, reduction, backend):
+    def forward(ctx, x, v, x_next, sigma, sigma_next, eta, sigma_max, kind, reduction, backend):
         a, b, n = sde_coefficients(sigma, sigma_next, eta, kind, sigma_max)
-        numel = x[0].numel()
-        alpha, beta = logprob_affine(n, kind, reduction, numel)
+        alpha, beta = logprob_affine(n, kind, reduction, x[0].numel())
         x2, v2, xn2 = _flat(x), _flat(v), _flat(x_next)
         if backend == "triton":
-            sumsq = _triton().residual_sumsq(x2, v2, xn2, a, b)
+            logp = _triton().sde_logprob_fwd(x2, v2, xn2, a, b, alpha, beta)
         else:
-            sumsq = cpu_fused.kernel(cpu_fused.residual_sumsq, a.dtype)(x2, v2, xn2, a, b)
+            fn = cpu_fused.kernel(cpu_fused.logprob_forward, a.dtype)
+            logp = fn(x2, v2, xn2, a, b, alpha, beta)
         ctx.save_for_backward(x, v, x_next, a, b, alpha)
         ctx.backend = backend
-        return alpha * sumsq + beta
+        return logp
 
     @staticmethod
     def backward(ctx, grad_logp):
         x, v, x_next, a, b, alpha = ctx.saved_tensors
-        want_x, want_v, want_next = ctx.needs_input_grad[:3]
-        base = 2 * alpha * grad_logp.to(alpha.dtype)  # d logp / d x' = 2 alpha (x' - m)
+        want = tuple(ctx.needs_input_grad[:3])
         x2, v2, xn2 = _flat(x), _flat(v), _flat(x_next)
-        grads = []
-        for want, scale, like in ((want_x, -a * base, x), (want_v, -b * base, v),
-                                  (want_next, base, x_next)):
-            if not want:
-                grads.append(None)
-                continue
-            if ctx.backend == "triton":
-                g = _triton().residual_grad(x2, v2, xn2, a, b, scale, like.dtype)
-            else:
-                fn = cpu_fused.kernel(cpu_fused.residual_grad, a.dtype)
-                g = fn(x2, v2, xn2, a, b, scale, like.dtype)
-            grads.append(g.reshape(like.shape))
+        scale = 2 * alpha * grad_logp.to(alpha.dtype)  # d logp / d x' = 2 alpha (x' - m)
+        if ctx.backend == "triton":
+            grads = _triton().sde_logprob_bwd(x2, v2, xn2, a, b, scale, *want)
+        else:
+            fn = cpu_fused.kernel(cpu_fused.logprob_backward, a.dtype)
+            grads = fn(x2, v2, xn2, a, b, scale, *want)
+        grads = [None if g is None else g.reshape(like.shape)
+                 for g, like in zip(grads, (x, v, x_next), strict=True)]
         return (*grads, None, None, None, None, None, None, None)
 
 
-def sde_sample_fused(x, v, noise, sigma, sigma_next, eta, kind, sigma_max, backend):
+def sde_sample_fused(x, v, noise, sigma, sigma_next, eta, sigma_max, kind, backend):
     """x' = m + n * eps in x's dtype, without autograd (a rollout step)."""
     a, b, n = sde_coefficients(sigma, sigma_next, eta, kind, sigma_max)
     x2, v2, e2 = _flat(x.detach()), _flat(v.detach()), _flat(noise)

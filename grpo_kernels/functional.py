@@ -36,13 +36,19 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
     return backend
 
 
-def _step_params(x, sigma, sigma_next, eta, *extra):
+def _step_params(x, sigma, sigma_next, eta, kind, sigma_max, reduction, *extra):
+    """Checked [B] tensors (sigma, sigma_next, eta, sigma_max) of the compute dtype."""
     dtype = compute_dtype(x, *extra)
     batch, device = x.shape[0], x.device
-    sigma = per_sample(sigma, "sigma", batch, device, dtype)
-    sigma_next = per_sample(sigma_next, "sigma_next", batch, device, dtype)
-    eta = per_sample(eta, "eta", batch, device, dtype)
-    return sigma.detach(), sigma_next.detach(), eta.detach()
+    sigma = per_sample(sigma, "sigma", batch, device, dtype).detach()
+    sigma_next = per_sample(sigma_next, "sigma_next", batch, device, dtype).detach()
+    eta = per_sample(eta, "eta", batch, device, dtype).detach()
+    check_sde_args(kind, sigma, sigma_next, eta, sigma_max, reduction)
+    # sigma_max only matters where sigma == 1 (checked above); elsewhere any value will do.
+    sigma_max = sigma if sigma_max is None else per_sample(
+        sigma_max, "sigma_max", batch, device, dtype
+    ).detach()
+    return sigma, sigma_next, eta, sigma_max
 
 
 def sde_step_logprob(
@@ -66,18 +72,13 @@ def sde_step_logprob(
     to v, and to x / x_next when they require grad. `check=True` also rejects NaN/Inf inputs.
     """
     check_latents(check_nan=check, x=x, v=v, x_next=x_next)
-    sigma, sigma_next, eta = _step_params(x, sigma, sigma_next, eta, v, x_next)
-    check_sde_args(kind, sigma, sigma_next, eta, sigma_max, reduction)
+    params = _step_params(x, sigma, sigma_next, eta, kind, sigma_max, reduction, v, x_next)
     backend = resolve_backend(backend, x.device)
     if backend == "reference":
-        return reference.sde_step_logprob_reference(
-            x, v, x_next, sigma, sigma_next, eta, kind, sigma_max, reduction
-        )
+        return reference.sde_step_logprob_reference(x, v, x_next, *params, kind, reduction)
     from grpo_kernels.autograd import SdeStepLogprobFunction
 
-    return SdeStepLogprobFunction.apply(
-        x, v, x_next, sigma, sigma_next, eta, kind, sigma_max, reduction, backend
-    )
+    return SdeStepLogprobFunction.apply(x, v, x_next, *params, kind, reduction, backend)
 
 
 def sde_step_sample(
@@ -98,18 +99,16 @@ def sde_step_sample(
     the same backend (mean reduction), so a policy that has not moved reproduces it bit-for-bit.
     """
     check_latents(x=x, v=v, noise=noise)
-    sigma, sigma_next, eta = _step_params(x, sigma, sigma_next, eta, v)
-    check_sde_args(kind, sigma, sigma_next, eta, sigma_max)
+    params = _step_params(x, sigma, sigma_next, eta, kind, sigma_max, "mean", v)
     backend = resolve_backend(backend, x.device)
     if backend == "reference":
         with torch.no_grad():
-            x_next = reference.sde_step_sample_reference(
-                x, v, noise, sigma, sigma_next, eta, kind, sigma_max
-            )[0]
+            x_next = reference.sde_step_sample_reference(x, v, noise, *params, kind)[0]
     else:
         from grpo_kernels.autograd import sde_sample_fused
 
-        x_next = sde_sample_fused(x, v, noise, sigma, sigma_next, eta, kind, sigma_max, backend)
+        x_next = sde_sample_fused(x, v, noise, *params, kind, backend)
+    sigma, sigma_next, eta, sigma_max = params
     logp = sde_step_logprob(
         x, v, x_next, sigma, sigma_next, eta=eta, kind=kind, sigma_max=sigma_max, backend=backend
     )

@@ -23,8 +23,8 @@ def sde_mean_and_noise_reference(
     sigma: torch.Tensor,
     sigma_next: torch.Tensor,
     eta: torch.Tensor,
+    sigma_max: torch.Tensor,
     kind: str,
-    sigma_max: float | torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The SDE step's mean m [B, ...] and noise scale n [B, 1, ...] (x' = m + n * eps)."""
     s = _per_sample_view(sigma, x)
@@ -32,7 +32,7 @@ def sde_mean_and_noise_reference(
     eta = _per_sample_view(eta, x)
     dt = s_next - s
     if kind == "flow":
-        s_max = s if sigma_max is None else torch.as_tensor(sigma_max, dtype=s.dtype)
+        s_max = _per_sample_view(sigma_max, x)
         s_denominator = torch.where(s == 1, s_max, s)
         std = eta * torch.sqrt(s / (1 - s_denominator))
         mean = x * (1 + std**2 / (2 * s) * dt) + v * (1 + std**2 * (1 - s) / (2 * s)) * dt
@@ -59,14 +59,14 @@ def sde_step_logprob_reference(
     sigma: torch.Tensor,
     sigma_next: torch.Tensor,
     eta: torch.Tensor,
+    sigma_max: torch.Tensor,
     kind: str,
-    sigma_max: float | torch.Tensor | None,
     reduction: str,
 ) -> torch.Tensor:
     """Per-sample log-prob of the transition x -> x_next: mean (or sum) over latent elements."""
     dtype = sigma.dtype
     x, v, x_next = x.to(dtype), v.to(dtype), x_next.to(dtype)
-    mean, noise = sde_mean_and_noise_reference(x, v, sigma, sigma_next, eta, kind, sigma_max)
+    mean, noise = sde_mean_and_noise_reference(x, v, sigma, sigma_next, eta, sigma_max, kind)
     if kind == "cps_mse":
         # The public CPS code drops the constants and the 1/(2 n^2) factor.
         logp = -((x_next - mean) ** 2)
@@ -87,17 +87,17 @@ def sde_step_sample_reference(
     sigma: torch.Tensor,
     sigma_next: torch.Tensor,
     eta: torch.Tensor,
+    sigma_max: torch.Tensor,
     kind: str,
-    sigma_max: float | torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x' = m + n * eps stored in x's dtype, and the log-prob of that stored x' (mean reduction)."""
     dtype = sigma.dtype
     mean, noise = sde_mean_and_noise_reference(
-        x.to(dtype), v.to(dtype), sigma, sigma_next, eta, kind, sigma_max
+        x.to(dtype), v.to(dtype), sigma, sigma_next, eta, sigma_max, kind
     )
     x_next = (mean + noise * noise_sample.to(dtype)).to(x.dtype)
     logp = sde_step_logprob_reference(
-        x, v, x_next, sigma, sigma_next, eta, kind, sigma_max, "mean"
+        x, v, x_next, sigma, sigma_next, eta, sigma_max, kind, "mean"
     )
     return x_next, logp
 

@@ -3,7 +3,7 @@
 Every kind's mean is linear in (x, v) with per-sample coefficients; the log-prob is then an
 affine function of S = sum((x' - a*x - b*v)^2): logp = alpha * S + beta. Kernels reduce S and
 never form m. The algebra below is DESIGN.md's formulas expanded (the reference keeps them as
-written; the tests check the two agree).
+written; the tests check the two agree). All arguments are [B] tensors of the compute dtype.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ def sde_coefficients(
     sigma_next: torch.Tensor,
     eta: torch.Tensor,
     kind: str,
-    sigma_max: float | torch.Tensor | None,
+    sigma_max: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(a, b, n), each [B]: mean m = a*x + b*v, sample x' = m + n*eps."""
     s, dt = sigma, sigma_next - sigma
     if kind == "flow":
-        s_max = s if sigma_max is None else torch.as_tensor(sigma_max, dtype=s.dtype)
-        std = eta * torch.sqrt(s / (1 - torch.where(s == 1, s_max.to(s.device), s)))
+        # At s == 1 the schedule's s_1 (sigma_max) replaces s in the denominator.
+        std = eta * torch.sqrt(s / (1 - torch.where(s == 1, sigma_max, s)))
         a = 1 + std**2 / (2 * s) * dt
         b = (1 + std**2 * (1 - s) / (2 * s)) * dt
         n = std * torch.sqrt(-dt)
@@ -36,7 +36,7 @@ def sde_coefficients(
         n = eta * torch.sqrt(-dt)
     elif kind in ("cps", "cps_mse"):
         # m = (1-s')(x - s v) + c (x + (1-s) v), c = sqrt(s'^2 - n^2).
-        n = sigma_next * torch.sin(eta * math.pi / 2)
+        n = sigma_next * torch.sin(eta * (math.pi / 2))
         c = torch.sqrt(sigma_next**2 - n**2)
         a = (1 - sigma_next) + c
         b = -(1 - sigma_next) * s + c * (1 - s)
@@ -50,7 +50,8 @@ def logprob_affine(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(alpha, beta), each [B]: logp = alpha * sum((x' - m)^2) + beta over `numel` elements."""
     if kind == "cps_mse":
-        alpha = torch.full_like(n, -1.0)
+        # The public CPS code drops the constants and the 1/(2 n^2) factor.
+        alpha = -torch.ones_like(n)
         beta = torch.zeros_like(n)
     else:
         alpha = -1 / (2 * n**2)

@@ -81,6 +81,12 @@ def check_sde_args(
         raise ValueError(f"kind must be one of {SDE_KINDS}, got {kind!r}{hint}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    # One fused check (one sync) on the common path; the detailed messages follow on failure.
+    ok = (sigma > 0) & (sigma <= 1) & (sigma_next >= 0) & (sigma_next < sigma) & (eta > 0)
+    ok = ok & torch.isfinite(eta) & ((sigma < 1) | (kind != "flow"))
+    ok = ok & ((sigma_next > 0) | (kind != "cps"))
+    if bool(ok.all()) and kind in SDE_KINDS and reduction in REDUCTIONS:
+        return
     if not bool(((sigma > 0) & (sigma <= 1)).all()):
         raise ValueError(f"sigma must lie in (0, 1], got {sigma.tolist()}")
     if not bool(((sigma_next >= 0) & (sigma_next < sigma)).all()):
