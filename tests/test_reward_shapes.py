@@ -43,6 +43,14 @@ def test_ground_truth_scores_near_one(reward):
     assert torch.equal(scores, reward(images, [scene_to_prompt(s) for s in scenes]))
 
 
+@pytest.mark.parametrize("size", [32, 96])
+def test_other_canvas_sizes(reward, size):
+    rng = np.random.default_rng(size)
+    scenes = [random_scene(rng, split="all") for _ in range(60)]
+    images = to_tensor([render_scene(s, size=size, rng=rng) for s in scenes])
+    assert reward(images, [scene_to_prompt(s) for s in scenes]).mean() >= 0.98
+
+
 def test_blurred_ground_truth_keeps_most_credit(reward):
     rng = np.random.default_rng(1)
     scenes = [random_scene(rng, split="all") for _ in range(100)]
@@ -56,6 +64,9 @@ def test_noise_scores_near_zero(reward):
     noise = torch.rand(128, 3, 64, 64, generator=torch.Generator().manual_seed(0))
     assert reward(noise, prompts).mean() <= 0.05
     assert reward(torch.full((128, 3, 64, 64), 0.96), prompts).max() == 0.0  # blank canvas
+    # Colour noise smoothed into blobs: ragged clusters are not objects.
+    smooth = ndimage.gaussian_filter(noise.numpy(), (0, 0, 1.0, 1.0))
+    assert reward(torch.from_numpy(smooth), prompts).mean() <= 0.05
 
 
 def _other(values, current):

@@ -3,7 +3,8 @@
 Pixels are foreground when saturated (chroma = max - min channel); a foreground pixel's colour
 is the palette colour of nearest hue. Mixing a colour with the grey background keeps its hue, so
 soft or blurry edges of generated images still read as the right colour. Objects are the
-4-connected foreground components of plausible size and solidity; for each one we measure its
+4-connected foreground components of plausible size, purity and solidity (share of interior
+pixels, which separates filled shapes from ragged noise clusters); for each one we measure its
 colour histogram, fill ratio of its bounding box (square 1.0, disc 0.8, triangle 0.55), extent,
 centroid, and how low the centroid sits in the box (0.5 for discs and squares, 0.64 for upward
 triangles: this survives blur better than the fill ratio).
@@ -26,6 +27,10 @@ MIN_AREA_AT_64 = 20  # smallest object (small triangle) has ~60 pixels
 MAX_EXTENT_AT_64 = 28  # large objects are 16 px; bigger blobs are not objects
 MIN_FILL = 0.3  # below this a component is a scribble, not a shape
 MIN_PURITY = 0.4  # share of the majority colour; random-noise clusters have about 1/6
+# Share of a component's pixels whose 4 neighbours are in it too. Solid shapes at 64x64 have
+# 0.53 (small triangle) to 0.8; ragged noise clusters mostly under 0.3. Small shapes on smaller
+# canvases have relatively more edge, so the band scales with the canvas below 64.
+INTERIOR_BAND_AT_64 = (0.25, 0.45)  # objectness 0 below, 1 above, linear in between
 
 
 def _hue_degrees(rgb: np.ndarray) -> np.ndarray:
@@ -87,6 +92,7 @@ class Detection:
     extent: float  # max(width, height) of the bounding box, in 64x64 pixels
     fill: float  # area / bounding-box area
     aspect: float  # min(width, height) / max(width, height)
+    objectness: float  # in [0, 1], from the interior share: how solid the component is
     depth: float  # centroid row within the box, 0 = top, 1 = bottom (0.64 for a triangle)
     cx: float  # centroid column, pixels
     cy: float  # centroid row, pixels
@@ -106,11 +112,17 @@ def detect_objects(classes: np.ndarray) -> list[Detection]:
     """The object-like components of one image's class map [H, W]."""
     height, width = classes.shape
     scale = min(height, width) / 64.0
-    labels, count = ndimage.label(classes >= 0)
+    foreground = classes >= 0
+    labels, count = ndimage.label(foreground)
     if count == 0:
         return []
     flat = labels.ravel()
     areas = np.bincount(flat, minlength=count + 1)
+    interior = np.bincount(
+        flat, weights=ndimage.binary_erosion(foreground).ravel(), minlength=count + 1
+    )
+    band_scale = min(1.0, scale)
+    lo, hi = (t * band_scale for t in INTERIOR_BAND_AT_64)
     rows, cols = _pixel_coordinates(height, width)
     sum_y = np.bincount(flat, weights=rows, minlength=count + 1)
     sum_x = np.bincount(flat, weights=cols, minlength=count + 1)
@@ -131,6 +143,9 @@ def detect_objects(classes: np.ndarray) -> list[Detection]:
         cy = float(sum_y[index] / area) + 0.5
         if extent > MAX_EXTENT_AT_64 or fill < MIN_FILL or fractions.max() < MIN_PURITY:
             continue
+        objectness = min(1.0, (interior[index] / area - lo) / (hi - lo))
+        if objectness <= 0:
+            continue
         detections.append(
             Detection(
                 colour_fractions=fractions,
@@ -138,6 +153,7 @@ def detect_objects(classes: np.ndarray) -> list[Detection]:
                 extent=extent,
                 fill=fill,
                 aspect=min(h, w) / max(h, w),
+                objectness=float(objectness),
                 depth=(cy - box[0].start) / h,
                 cx=float(sum_x[index] / area) + 0.5,
                 cy=cy,

@@ -3,12 +3,13 @@
 Each expected object is matched to one detected object (Hungarian assignment on similarity).
 Similarity gives partial credit, so the score rises smoothly as an image gets more right:
 
-    sim = 0.2 (an object is there) + 0.3 colour + 0.3 shape + 0.2 size
+    sim = objectness * (0.2 (an object is there) + 0.3 colour + 0.3 shape + 0.2 size)
 
-colour = share of the object's pixels of the asked colour; shape and size are soft memberships
-(full credit near the rendered values, none at the neighbours'): triangle from how low the
-centroid sits in the bounding box, square vs circle from the box fill ratio, size from the extent.
-    objects = sum of matched sims / max(expected objects, detected objects)
+objectness = how solid the blob is (1 for any filled shape, 0 for ragged noise); colour = share
+of the object's pixels of the asked colour; shape and size are soft memberships (full credit near
+the rendered values, none at the neighbours'): triangle from how low the centroid sits in the
+bounding box, square vs circle from the box fill ratio, size from the extent.
+    objects = sum of matched sims / max(expected objects, sum of detected objectness)
 so a missing and an extra object both cost. With a position or relation,
     score = 0.7 objects + 0.3 spatial
 where spatial averages a soft "is it on the right side" over the objects (position) or over
@@ -81,12 +82,21 @@ def size_credit(det: Detection, size: str) -> float:
 
 def similarity(det: Detection, group: ShapeObject) -> float:
     colour = float(det.colour_fractions[COLOURS.index(group.colour)])
-    return (
+    return det.objectness * (
         W_PRESENT
         + W_COLOUR * colour
         + W_SHAPE * shape_credit(det, group.shape)
         + W_SIZE * size_credit(det, group.size)
     )
+
+
+def _solid(det: Detection | None) -> bool:
+    return det is not None and det.objectness >= 0.5
+
+
+def _is(det: Detection, colour: str, shape: str) -> bool:
+    """Hard decision: a solid object of this colour and shape."""
+    return _solid(det) and det.colour == colour and shape_label(det) == shape
 
 
 @dataclass(frozen=True)
@@ -136,7 +146,7 @@ def score_scene(
         for r, c in zip(rows, cols, strict=True):
             match[r] = detections[c]
             matched_sim += sims[r, c]
-    object_score = matched_sim / max(n_exp, n_det)
+    object_score = matched_sim / max(n_exp, sum(d.objectness for d in detections))
 
     # Spatial: soft credit per checked item, and its hard version for the breakdown.
     soft: list[float] = []
@@ -144,7 +154,7 @@ def score_scene(
     if scene.position is not None:
         for det in match:
             offset = -math.inf if det is None else _side_offset(det, scene.position, width, height)
-            soft.append(_ramp(offset, -2.0, 4.0))
+            soft.append(_ramp(offset, -2.0, 4.0) * (det.objectness if det else 0.0))
             hard.append(offset > 0)
     elif scene.relation is not None:
         for i in range(n_exp):
@@ -156,25 +166,23 @@ def score_scene(
                         if a is None or b is None
                         else _relation_offset(a, b, scene.relation, width, height)
                     )
-                    soft.append(_ramp(offset, 0.0, 6.0))
+                    weight = min(a.objectness, b.objectness) if a and b else 0.0
+                    soft.append(_ramp(offset, 0.0, 6.0) * weight)
                     hard.append(offset > 0)
     score = object_score
     if soft:
         score = (1 - W_SPATIAL) * object_score + W_SPATIAL * _mean(soft)
 
-    colour_ok = [d is not None and d.colour == g.colour for d, g in zip(match, groups, strict=True)]
-    shape_ok = [
-        d is not None and shape_label(d) == g.shape for d, g in zip(match, groups, strict=True)
-    ]
-    size_ok = [
-        d is not None and (d.extent >= LARGE_THRESHOLD) == (g.size == "large")
-        for d, g in zip(match, groups, strict=True)
-    ]
+    # Hard accuracies count only solid matches (objectness >= 0.5).
+    pairs = [(d, g) for d, g in zip(match, groups, strict=True)]
+    colour_ok = [_solid(d) and d.colour == g.colour for d, g in pairs]
+    shape_ok = [_solid(d) and shape_label(d) == g.shape for d, g in pairs]
+    size_ok = [_solid(d) and (d.extent >= LARGE_THRESHOLD) == (g.size == "large") for d, g in pairs]
     count_ok = [
-        sum(d.colour == g.colour and shape_label(d) == g.shape for d in detections) == g.count
-        for g in scene.objects
+        sum(_is(d, g.colour, g.shape) for d in detections) == g.count for g in scene.objects
     ]
-    exact = n_det == n_exp and all(colour_ok + shape_ok + size_ok + count_ok + hard)
+    n_solid = sum(_solid(d) for d in detections)
+    exact = n_solid == n_exp and all(colour_ok + shape_ok + size_ok + count_ok + hard)
     return ScoreBreakdown(
         score=float(min(1.0, max(0.0, score))),
         colour_acc=_mean(colour_ok),

@@ -26,7 +26,7 @@ PALETTE: dict[str, tuple[int, int, int]] = {
 }
 # Side of the bounding box at 64x64; scaled with the canvas size.
 EXTENT_AT_64 = {"small": 10, "large": 16}
-_GAP = 4  # background pixels between objects: blurry generated edges still leave a gap
+GAP_AT_64 = 4  # background pixels between objects: blurry generated edges still leave a gap
 _MAX_TRIES = 200
 
 
@@ -46,6 +46,10 @@ class PlacedObject:
 
 def object_extent(size_word: str, canvas: int) -> int:
     return max(4, round(EXTENT_AT_64[size_word] * canvas / 64))
+
+
+def object_gap(canvas: int) -> int:
+    return max(2, round(GAP_AT_64 * canvas / 64))
 
 
 def _group_regions(scene: Scene, size: int, rng: np.random.Generator) -> list[tuple]:
@@ -68,8 +72,9 @@ def _group_regions(scene: Scene, size: int, rng: np.random.Generator) -> list[tu
     margin = object_extent("large", size) + 4
     split = size * a.count / (a.count + b.count) + rng.integers(-size // 16, size // 16 + 1)
     split = int(np.clip(round(split), margin, size - margin))
-    first = (1, split - _GAP // 2)
-    second = (split + _GAP // 2, size - 1)
+    gap = object_gap(size)
+    first = (1, split - gap // 2)
+    second = (split + gap - gap // 2, size - 1)
     if scene.relation in ("right of", "below"):
         first, second = second, first
     if scene.relation in ("left of", "right of"):
@@ -77,13 +82,13 @@ def _group_regions(scene: Scene, size: int, rng: np.random.Generator) -> list[tu
     return [(1, size - 1, *first), (1, size - 1, *second)]
 
 
-def _overlaps(x0: int, y0: int, extent: int, placed: list[PlacedObject]) -> bool:
+def _overlaps(x0: int, y0: int, extent: int, placed: list[PlacedObject], gap: int) -> bool:
     for other in placed:
         if (
-            x0 < other.x0 + other.extent + _GAP
-            and other.x0 < x0 + extent + _GAP
-            and y0 < other.y0 + other.extent + _GAP
-            and other.y0 < y0 + extent + _GAP
+            x0 < other.x0 + other.extent + gap
+            and other.x0 < x0 + extent + gap
+            and y0 < other.y0 + other.extent + gap
+            and other.y0 < y0 + extent + gap
         ):
             return True
     return False
@@ -102,7 +107,7 @@ def _place_group(
             for _ in range(_MAX_TRIES):
                 x0 = int(rng.integers(x_lo, x_hi - extent + 1))
                 y0 = int(rng.integers(y_lo, y_hi - extent + 1))
-                if not _overlaps(x0, y0, extent, placed):
+                if not _overlaps(x0, y0, extent, placed, object_gap(size)):
                     placed.append(
                         PlacedObject(group.shape, group.colour, group.size, x0, y0, extent)
                     )
