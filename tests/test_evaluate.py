@@ -1,0 +1,98 @@
+import json
+import math
+
+import pytest
+import torch
+
+from chunk_grpo.evaluate import captioned_grid, evaluate_policy, main, mean_ci95
+from chunk_grpo.models import FluxPolicy
+from chunk_grpo.models.tiny import save_tiny_flux
+from chunk_grpo.rewards import get_reward
+from chunk_grpo.shapes import HELDOUT_PROMPTS_FILE, VOCABULARY, load_prompts
+
+PROMPTS = load_prompts(HELDOUT_PROMPTS_FILE)[:3]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_flux(tmp_path_factory.mktemp("tiny-flux"), VOCABULARY, seed=0)
+
+
+@pytest.fixture(scope="module")
+def policy(model_dir):
+    return FluxPolicy.from_pretrained(model_dir)
+
+
+def test_cli_end_to_end(model_dir, tmp_path, capsys):
+    prompts_file = tmp_path / "prompts.txt"
+    prompts_file.write_text("\n".join(PROMPTS) + "\n")
+    out = tmp_path / "eval"
+    result = main(
+        [
+            "--model",
+            str(model_dir),
+            "--prompts",
+            str(prompts_file),
+            "--out",
+            str(out),
+            "--steps",
+            "2",
+            "--images-per-prompt",
+            "2",
+            "--seed",
+            "1",
+        ]
+    )
+    printed = capsys.readouterr().out
+    assert "95% CI, n=6" in printed
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["n"] == 6 == result.n
+    assert 0.0 <= metrics["reward_mean"] <= 1.0
+    assert metrics["reward_mean"] == pytest.approx(result.rewards.mean().item())
+    assert metrics["reward_ci95"] == pytest.approx(mean_ci95(result.rewards)[1])
+    for key in ("colour_acc", "shape_acc", "size_acc", "count_acc", "exact"):
+        assert 0.0 <= metrics[key] <= 1.0
+    assert metrics["settings"]["num_steps"] == 2 and metrics["settings"]["sampler"] == "ode"
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == [p for p in PROMPTS for _ in range(2)]
+    from PIL import Image
+
+    grid = Image.open(out / "grid.png")
+    assert grid.width == 6 * 128 and grid.height > 128
+    # The images were scored by the shapes reward itself.
+    assert torch.allclose(result.rewards, get_reward("shapes")(result.images, result.prompts))
+
+
+def test_evaluate_policy_is_deterministic_and_hybrid_with_itself_is_a_no_op(policy, model_dir):
+    kwargs = dict(num_steps=3, seed=7)
+    a = evaluate_policy(policy, PROMPTS, **kwargs)
+    b = evaluate_policy(policy, PROMPTS, **kwargs)
+    assert torch.equal(a.images, b.images) and torch.equal(a.rewards, b.rewards)
+    assert a.images.shape == (3, 3, policy.height, policy.width)
+    same_weights = FluxPolicy.from_pretrained(model_dir)
+    hybrid = evaluate_policy(policy, PROMPTS, hybrid_base=same_weights, hybrid_steps=1, **kwargs)
+    assert torch.allclose(hybrid.images, a.images, atol=1e-5)
+    sde = evaluate_policy(policy, PROMPTS, sampler="flow", eta=0.7, **kwargs)
+    assert not torch.allclose(sde.images, a.images, atol=1e-3)
+    other_seed = evaluate_policy(policy, PROMPTS, num_steps=3, seed=8)
+    assert not torch.equal(other_seed.images, a.images)
+
+
+def test_mean_ci95_matches_student_t():
+    mean, half = mean_ci95(torch.tensor([0.0, 1.0, 0.0, 1.0]))
+    # t_{0.975, 3} = 3.18245, sample std = 0.57735, n = 4
+    assert mean == 0.5 and half == pytest.approx(3.18245 * 0.57735 / 2, rel=1e-4)
+    assert math.isnan(mean_ci95([0.3])[1])
+    with pytest.raises(ValueError, match="at least one"):
+        mean_ci95([])
+
+
+def test_bad_arguments(policy, model_dir, tmp_path):
+    with pytest.raises(ValueError, match="prompts"):
+        evaluate_policy(policy, [])
+    with pytest.raises(ValueError, match="images_per_prompt"):
+        evaluate_policy(policy, PROMPTS, images_per_prompt=0)
+    with pytest.raises(SystemExit, match="hybrid-base"):
+        main(["--model", str(model_dir), "--out", str(tmp_path), "--hybrid-steps", "2"])
+    with pytest.raises(ValueError, match="captions"):
+        captioned_grid(torch.zeros(2, 3, 8, 8), ["one caption"])
