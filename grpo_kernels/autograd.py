@@ -13,8 +13,9 @@ from grpo_kernels.sde_coefficients import logprob_affine, sde_coefficients
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
-    """[B, ...] -> [B, N]; a view when possible, a copy for non-contiguous layouts."""
-    return t.reshape(t.shape[0], -1)
+    """[B, ...] -> contiguous [B, N]: a view of contiguous input, else one copy (one layout
+    means one compiled graph)."""
+    return t.reshape(t.shape[0], -1).contiguous()
 
 
 def _triton():

@@ -1,0 +1,299 @@
+"""sde_step_logprob / sde_step_sample / ode_step: every backend against the torch reference."""
+
+import math
+
+import pytest
+import torch
+
+import grpo_kernels as gk
+from grpo_kernels.functional import resolve_backend
+
+KINDS = ["flow", "dance", "cps", "cps_mse"]
+SIGMA_MAX = 0.96
+
+
+def _inputs(shape, dtype=torch.float32, seed=0):
+    """Latents plus per-sample steps, one of them at sigma == 1 (flow's sigma_max case)."""
+    g = torch.Generator().manual_seed(seed)
+    x, v, e = (torch.randn(shape, generator=g) for _ in range(3))
+    batch = shape[0]
+    sigma = torch.linspace(1.0, 0.3, batch) if batch > 1 else torch.tensor([0.7])
+    sigma_next = sigma - 0.04 - 0.02 * torch.rand(batch, generator=g)
+    x_next = x + (sigma_next - sigma).view(-1, *[1] * (len(shape) - 1)) * v + 0.1 * e
+    return x.to(dtype), v.to(dtype), x_next.to(dtype), sigma, sigma_next
+
+
+def _logprob_and_grads(x, v, x_next, sigma, sigma_next, kind, backend, reduction="mean"):
+    x, v = x.detach().requires_grad_(), v.detach().requires_grad_()
+    logp = gk.sde_step_logprob(
+        x, v, x_next, sigma, sigma_next, eta=0.7, kind=kind, sigma_max=SIGMA_MAX,
+        reduction=reduction, backend=backend,
+    )
+    weights = torch.linspace(0.5, 1.5, logp.shape[0], dtype=logp.dtype)  # distinct grad_out
+    grad_x, grad_v = torch.autograd.grad((logp * weights).sum(), (x, v))
+    return logp, grad_x, grad_v
+
+
+def _close(actual, expected, rtol):
+    """Relative to the tensor's scale: logps can be large (1 / (2 n^2) factors)."""
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=rtol * scale, check_dtype=False)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("backend", ["cpu_fused", "triton"])
+def test_fp32_forward_backward_match_fp64_reference(kind, backend):
+    # [3, 5, 37]: N = 185 is no multiple of Inductor's 16 lanes or Triton's 1024 block.
+    x, v, x_next, sigma, sigma_next = _inputs((3, 5, 37))
+    truth = _logprob_and_grads(
+        x.double(), v.double(), x_next.double(), sigma.double(), sigma_next.double(), kind,
+        "reference",
+    )
+    out = _logprob_and_grads(x, v, x_next, sigma, sigma_next, kind, backend)
+    ref32 = _logprob_and_grads(x, v, x_next, sigma, sigma_next, kind, "reference")
+    for got, ref, want in zip(out, ref32, truth, strict=True):
+        assert got.dtype == ref.dtype
+        # The fused kernel may not be worse than twice the fp32 reference's own error (+ slack).
+        err = (got.double() - want).abs().max().item()
+        ref_err = (ref.double() - want).abs().max().item()
+        assert err <= 2 * ref_err + 1e-6 * want.abs().max().item(), (err, ref_err)
+
+
+@pytest.mark.parametrize("backend", ["cpu_fused", "triton"])
+@pytest.mark.parametrize("kind", ["flow", "cps"])
+def test_bf16_inputs_match_reference(kind, backend):
+    x, v, x_next, sigma, sigma_next = _inputs((2, 3, 41), dtype=torch.bfloat16, seed=1)
+    ref = _logprob_and_grads(x, v, x_next, sigma, sigma_next, kind, "reference")
+    out = _logprob_and_grads(x, v, x_next, sigma, sigma_next, kind, backend)
+    assert out[0].dtype == torch.float32 and out[2].dtype == torch.bfloat16
+    _close(out[0], ref[0], rtol=1e-5)  # both compute in fp32 from the same bf16 values
+    _close(out[1].float(), ref[1].float(), rtol=8e-3)  # one bf16 rounding of the gradient
+    _close(out[2].float(), ref[2].float(), rtol=8e-3)
+
+
+def test_reference_follows_the_design_formulas_literally():
+    # Flow-GRPO at sigma == 1 uses sigma_max in the std's denominator, and every kind's mean
+    # expands to a x + b v: check the reference against a hand computation on one element.
+    x, v, xn = torch.tensor([[0.3]]), torch.tensor([[-1.2]]), torch.tensor([[0.5]])
+    s, sn, eta = 1.0, 0.9, 0.5
+    std = eta * math.sqrt(s / (1 - SIGMA_MAX))
+    dt = sn - s
+    mean = 0.3 * (1 + std**2 / (2 * s) * dt) + (-1.2) * (1 + std**2 * (1 - s) / (2 * s)) * dt
+    n = std * math.sqrt(-dt)
+    want = -((0.5 - mean) ** 2) / (2 * n**2) - math.log(n) - 0.5 * math.log(2 * math.pi)
+    for backend in ("reference", "cpu_fused"):
+        got = gk.sde_step_logprob(x, v, xn, s, sn, eta=eta, sigma_max=SIGMA_MAX, backend=backend)
+        assert got.item() == pytest.approx(want, rel=1e-5)
+    # cps_mse: -mean((x' - m)^2) with m = (1-s') x0 + sqrt(s'^2 - n^2) x1.
+    s, sn, eta = 0.6, 0.4, 0.7
+    n = sn * math.sin(eta * math.pi / 2)
+    mean = (1 - sn) * (0.3 - s * -1.2) + math.sqrt(sn**2 - n**2) * (0.3 + (1 - s) * -1.2)
+    got = gk.sde_step_logprob(x, v, xn, s, sn, eta=eta, kind="cps_mse", backend="reference")
+    assert got.item() == pytest.approx(-((0.5 - mean) ** 2), rel=1e-5)
+    # dance: m = x + dt v - 0.5 eta^2 score dt, score = -(x - (1-s) x0) / s^2.
+    x0 = 0.3 - s * -1.2
+    score = -(0.3 - (1 - s) * x0) / s**2
+    mean = 0.3 + (sn - s) * -1.2 + (-0.5 * eta**2 * score) * (sn - s)
+    n = eta * math.sqrt(s - sn)
+    want = -((0.5 - mean) ** 2) / (2 * n**2) - math.log(n) - 0.5 * math.log(2 * math.pi)
+    got = gk.sde_step_logprob(x, v, xn, s, sn, eta=eta, kind="dance", backend="cpu_fused")
+    assert got.item() == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu_fused"])
+def test_sum_reduction_is_numel_times_mean(backend):
+    x, v, x_next, sigma, sigma_next = _inputs((2, 4, 9))
+    mean = gk.sde_step_logprob(x, v, x_next, sigma, sigma_next, eta=0.5, sigma_max=SIGMA_MAX,
+                               backend=backend)
+    total = gk.sde_step_logprob(x, v, x_next, sigma, sigma_next, eta=0.5, sigma_max=SIGMA_MAX,
+                                reduction="sum", backend=backend)
+    torch.testing.assert_close(total, mean * 36, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["cpu_fused", "triton"])
+def test_non_contiguous_and_batch_of_one(backend):
+    x, v, x_next, sigma, sigma_next = _inputs((3, 6, 10), seed=2)
+    # Transposed latents are non-contiguous; every other sample is a strided batch view.
+    xs, vs, xns = (t.transpose(1, 2) for t in (x, v, x_next))
+    assert not xs.is_contiguous()
+    ref = _logprob_and_grads(xs, vs, xns, sigma, sigma_next, "dance", "reference")
+    out = _logprob_and_grads(xs, vs, xns, sigma, sigma_next, "dance", backend)
+    assert out[2].shape == xs.shape
+    for got, want in zip(out, ref, strict=True):
+        _close(got, want, rtol=1e-5)
+    strided = [t[::2] for t in (x, v, x_next)]
+    ref = _logprob_and_grads(*strided, sigma[::2], sigma_next[::2], "flow", "reference")
+    out = _logprob_and_grads(*strided, sigma[::2], sigma_next[::2], "flow", backend)
+    for got, want in zip(out, ref, strict=True):
+        _close(got, want, rtol=1e-5)
+    one = [t[1:2] for t in (x, v, x_next)]
+    ref = _logprob_and_grads(*one, sigma[1:2], sigma_next[1:2], "cps", "reference")
+    out = _logprob_and_grads(*one, sigma[1:2], sigma_next[1:2], "cps", backend)
+    assert out[0].shape == (1,)
+    for got, want in zip(out, ref, strict=True):
+        _close(got, want, rtol=1e-5)
+
+
+def test_scalar_and_per_sample_steps_agree():
+    x, v, x_next, _, _ = _inputs((3, 2, 8))
+    scalar = gk.sde_step_logprob(x, v, x_next, 0.8, 0.7, eta=0.6, kind="dance")
+    tensor = gk.sde_step_logprob(
+        x, v, x_next, torch.full((3,), 0.8), torch.tensor(0.7), eta=torch.tensor([0.6] * 3),
+        kind="dance",
+    )
+    torch.testing.assert_close(scalar, tensor, rtol=0, atol=0)
+
+
+def test_per_sample_steps_equal_separate_calls():
+    x, v, x_next, sigma, sigma_next = _inputs((4, 3, 7))
+    together = gk.sde_step_logprob(x, v, x_next, sigma, sigma_next, eta=0.7, sigma_max=SIGMA_MAX)
+    for i in range(4):
+        alone = gk.sde_step_logprob(x[i : i + 1], v[i : i + 1], x_next[i : i + 1], sigma[i],
+                                    sigma_next[i], eta=0.7, sigma_max=SIGMA_MAX)
+        torch.testing.assert_close(alone[0], together[i], rtol=1e-6, atol=1e-6)
+
+
+def test_gradient_reaches_x_next_too():
+    x, v, x_next, sigma, sigma_next = _inputs((2, 3, 5))
+    grads = []
+    for backend in ("reference", "cpu_fused", "triton"):
+        xn = x_next.clone().requires_grad_()
+        lp = gk.sde_step_logprob(x, v, xn, sigma, sigma_next, eta=0.7, kind="cps",
+                                 backend=backend, sigma_max=SIGMA_MAX)
+        grads.append(torch.autograd.grad(lp.sum(), xn)[0])
+    _close(grads[1], grads[0], rtol=1e-5)
+    _close(grads[2], grads[0], rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gradcheck_float64(kind):
+    x, v, x_next, sigma, sigma_next = _inputs((2, 3, 4), dtype=torch.float64, seed=3)
+    x, v, x_next = (t.requires_grad_() for t in (x, v, x_next))
+    fn = lambda a, b, c: gk.sde_step_logprob(  # noqa: E731
+        a, b, c, sigma.double(), sigma_next.double(), eta=0.8, kind=kind, sigma_max=SIGMA_MAX,
+        backend="cpu_fused",
+    )
+    assert torch.autograd.gradcheck(fn, (x, v, x_next))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("backend", ["reference", "cpu_fused", "triton"])
+def test_sample_matches_reference_and_its_logp_is_exact(kind, backend):
+    x, v, _, sigma, sigma_next = _inputs((3, 2, 19), seed=4)
+    noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(5))
+    x_ref, _ = gk.sde_step_sample(x, v, noise, sigma, sigma_next, eta=0.7, kind=kind,
+                                  sigma_max=SIGMA_MAX, backend="reference")
+    x_next, logp = gk.sde_step_sample(x, v, noise, sigma, sigma_next, eta=0.7, kind=kind,
+                                      sigma_max=SIGMA_MAX, backend=backend)
+    _close(x_next, x_ref, rtol=1e-6)
+    again = gk.sde_step_logprob(x, v, x_next, sigma, sigma_next, eta=0.7, kind=kind,
+                                sigma_max=SIGMA_MAX, backend=backend)
+    assert torch.equal(logp, again)  # bit-for-bit: the ratio of an unmoved policy is 1.0
+
+
+@pytest.mark.parametrize("backend", ["cpu_fused", "triton"])
+def test_sample_in_bf16_keeps_dtype_and_the_noise_law(backend):
+    x, v, _, sigma, sigma_next = _inputs((2, 64, 16), dtype=torch.bfloat16, seed=6)
+    noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(7)).bfloat16()
+    x_next, logp = gk.sde_step_sample(x, v, noise, sigma, sigma_next, eta=0.7, kind="dance",
+                                      backend=backend)
+    assert x_next.dtype == torch.bfloat16 and logp.dtype == torch.float32
+    x_ref, logp_ref = gk.sde_step_sample(x, v, noise, sigma, sigma_next, eta=0.7, kind="dance",
+                                         backend="reference")
+    _close(x_next.float(), x_ref.float(), rtol=8e-3)
+    # A true sample's mean log-density is -0.5 E[eps^2] - log n - 0.5 log 2 pi (E[eps^2] ~ 1).
+    n = 0.7 * torch.sqrt(sigma - sigma_next)
+    expected = -0.5 - torch.log(n) - 0.5 * math.log(2 * math.pi)
+    torch.testing.assert_close(logp, expected, rtol=0, atol=0.1)
+
+
+def test_ode_step():
+    x, v, _, sigma, sigma_next = _inputs((3, 4, 5))
+    out = gk.ode_step(x, v, sigma, sigma_next)
+    torch.testing.assert_close(out, x + (sigma_next - sigma).view(-1, 1, 1) * v)
+    last = gk.ode_step(x, v, 0.25, 0.0)  # the final step into sigma = 0 is allowed
+    torch.testing.assert_close(last, x - 0.25 * v)
+    xb, vb = x.bfloat16().requires_grad_(), v.bfloat16()
+    out = gk.ode_step(xb, vb, sigma, sigma_next)
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert torch.equal(xb.grad, torch.ones_like(xb))
+    with pytest.raises(ValueError, match="sigma_next"):
+        gk.ode_step(x, v, 0.5, 0.6)
+
+
+def test_dispatch_by_device_and_override(monkeypatch):
+    assert resolve_backend(None, torch.device("cpu")) == "cpu_fused"
+    assert resolve_backend(None, torch.device("cuda")) == "triton"
+    assert resolve_backend("reference", torch.device("cuda")) == "reference"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="backend='triton' needs CUDA"):
+        resolve_backend("triton", torch.device("cpu"))
+    with pytest.raises(ValueError, match="backend"):
+        resolve_backend("cuda", torch.device("cpu"))
+
+
+def test_module_wrapper_matches_functional():
+    x, v, x_next, sigma, sigma_next = _inputs((2, 3, 6))
+    module = gk.SdeStepLogprob(eta=0.7, kind="flow", sigma_max=SIGMA_MAX)
+    want = gk.sde_step_logprob(x, v, x_next, sigma, sigma_next, eta=0.7, sigma_max=SIGMA_MAX)
+    assert torch.equal(module(x, v, x_next, sigma, sigma_next), want)
+    assert "eta=0.7" in repr(module)
+
+
+def _call(**overrides):
+    x, v, x_next, sigma, sigma_next = _inputs((2, 3, 4))
+    kwargs = dict(x=x, v=v, x_next=x_next, sigma=sigma, sigma_next=sigma_next, eta=0.7,
+                  kind="dance")
+    kwargs.update(overrides)
+    return gk.sde_step_logprob(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(v=torch.zeros(2, 3, 5)), "v has shape"),
+        (dict(x_next=torch.zeros(3, 3, 4)), "x_next has shape"),
+        (dict(x=torch.zeros(2, 3, 4, dtype=torch.int64)), "x must have a floating dtype"),
+        (dict(v=torch.zeros(2, 3, 4, device="meta")), "v is on meta"),
+        (dict(sigma=torch.tensor([0.5, 0.4], device="meta")), "sigma is on meta"),
+        (dict(x=torch.zeros(2)), "x must be a non-empty"),
+        (dict(x=[[0.0]]), "x must be a torch.Tensor"),
+        (dict(sigma=0.0, sigma_next=0.0), "sigma must lie in"),
+        (dict(sigma=1.5), "sigma must lie in"),
+        (dict(sigma=0.5, sigma_next=0.5), "sigma_next must satisfy"),
+        (dict(sigma=0.5, sigma_next=0.6), "sigma_next must satisfy"),
+        (dict(sigma=0.5, sigma_next=-0.1), "sigma_next must satisfy"),
+        (dict(sigma=torch.tensor([0.5, 0.4, 0.3])), r"sigma must be a scalar or a tensor"),
+        (dict(sigma=torch.tensor([1, 1])), "sigma must have a floating dtype"),
+        (dict(eta=0.0), "eta must be"),
+        (dict(eta=float("nan")), "eta must be"),
+        (dict(kind="ode"), "use ode_step"),
+        (dict(kind="sde"), "kind must be one of"),
+        (dict(reduction="none"), "reduction must be one of"),
+        (dict(backend="gpu"), "backend must be"),
+        (dict(kind="flow", sigma=1.0, sigma_next=0.9), "sigma_max is required"),
+        (dict(kind="flow", sigma=1.0, sigma_next=0.9, sigma_max=1.0), "sigma_max must lie"),
+        (dict(kind="cps", sigma=0.2, sigma_next=0.0), "sigma_next == 0"),
+    ],
+)
+def test_bad_input_raises_value_error_naming_the_argument(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        _call(**overrides)
+
+
+def test_nan_rejected_only_when_checking():
+    x, v, x_next, sigma, sigma_next = _inputs((2, 3, 4))
+    v[0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="v contains NaN"):
+        gk.sde_step_logprob(x, v, x_next, sigma, sigma_next, eta=0.7, kind="dance", check=True)
+    out = gk.sde_step_logprob(x, v, x_next, sigma, sigma_next, eta=0.7, kind="dance")
+    assert out[0].isnan() and not out[1].isnan()  # without check, NaN propagates per sample
+
+
+def test_sample_bad_input():
+    x, v, _, sigma, sigma_next = _inputs((2, 3, 4))
+    with pytest.raises(ValueError, match="noise has shape"):
+        gk.sde_step_sample(x, v, torch.zeros(2, 3), sigma, sigma_next, eta=0.5, kind="dance")
+    with pytest.raises(ValueError, match="eta must be"):
+        gk.sde_step_sample(x, v, torch.zeros_like(x), sigma, sigma_next, eta=-1.0, kind="dance")
