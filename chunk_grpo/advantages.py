@@ -1,0 +1,34 @@
+"""Group-relative advantages: each image's reward against the other images of its prompt."""
+
+from __future__ import annotations
+
+import torch
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, *, norm: str = "group",
+                     eps: float = 1e-4, clip_max: float | None = None,
+                     all_rewards: torch.Tensor | None = None) -> torch.Tensor:
+    """A = (r - mean_group) / (std + eps), clipped to [-clip_max, clip_max].
+
+    rewards: [P * G] float, grouped consecutively (G images of prompt 0, then prompt 1, ...).
+    norm: "group" divides by the group's std, "global" by the std of ``all_rewards`` (every
+    reward gathered across ranks; defaults to ``rewards``), "none" only subtracts the mean.
+    """
+    if rewards.ndim != 1 or rewards.numel() % group_size != 0:
+        raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} "
+                         f"entries, got shape {tuple(rewards.shape)}")
+    r = rewards.float().view(-1, group_size)
+    centred = r - r.mean(dim=1, keepdim=True)
+    if norm == "group":
+        adv = centred / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
+    elif norm == "global":
+        pool = rewards if all_rewards is None else all_rewards
+        adv = centred / (pool.float().std(unbiased=False) + eps)
+    elif norm == "none":
+        adv = centred
+    else:
+        raise ValueError(f"norm must be 'group', 'global' or 'none', got {norm!r}")
+    adv = adv.reshape(-1)
+    if clip_max is not None:
+        adv = adv.clamp(-clip_max, clip_max)
+    return adv

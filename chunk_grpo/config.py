@@ -1,0 +1,279 @@
+"""The training configuration: one dataclass, YAML presets, command-line overrides.
+
+Precedence: dataclass defaults < YAML file (``--config``) < command-line flags. Every field is a
+flag (``--group-size 8`` or ``--group_size 8``); unknown keys in a YAML file or on the command line
+are errors that suggest the closest valid name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is invalid; the message names it and the fix."""
+
+
+@dataclass
+class TrainConfig:
+    # --- model, data, reward -------------------------------------------------------------
+    model: str = "embedded"  # diffusers directory or hub id; "embedded" = shipped tiny FLUX
+    reward: str = "shapes"  # name in the reward registry
+    train_prompts: str = "shapes:train"  # prompt file, or "shapes:train" / "shapes:heldout"
+    eval_prompts: str = "shapes:heldout"
+    output_dir: str = ""  # "" = runs/<timestamp>
+    seed: int = 0
+    height: int | None = None  # None = the model's default size
+    width: int | None = None
+
+    # --- sampling (rollouts) ----------------------------------------------------------
+    num_steps: int = 16  # T: sampling steps; the last transition is not trained
+    shift: float = 3.0
+    sde_kind: str = "flow"  # flow | dance | cps | cps_mse
+    eta: float = 0.7
+    cfg_scale: float | None = None  # None = the model's default_cfg_scale
+    group_size: int = 8  # G images per prompt
+    prompts_per_step: int = 4  # prompts per rank per iteration
+    shared_noise: bool = False  # same initial noise for the whole group
+    decode: str = "final"  # final latent | x0 (the last step's clean prediction)
+    rollout_batch_size: int = 64  # rows per rollout transformer call
+
+    # --- chunking -------------------------------------------------------------------------
+    chunks: str = "auto"  # "2,3,4,7" | "auto" | "step" | "sequence"
+    chunk_size: int | None = None  # fixed-size chunks; overrides `chunks`
+    chunk_fraction: float = 1.0  # fraction of chunks trained per iteration
+    weighted_chunks: bool = False  # draw chunks with weight ~ mean relative change
+    profile_prompts: int = 16  # prompts used for the temporal-dynamics profile
+    max_chunk_size: int = 5  # auto chunking splits longer segments
+
+    # --- loss -----------------------------------------------------------------------------
+    adv_norm: str = "group"  # group | global | none
+    adv_clip_max: float | None = 5.0
+    adv_eps: float = 1e-4
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    kl_coef: float = 0.0
+    kl_ref: str = "old"  # old (k3 vs the rollout policy) | reference (LoRA disabled)
+
+    # --- optimisation ---------------------------------------------------------------------
+    max_steps: int = 60  # training iterations (rollout + update)
+    max_minutes: float = 0.0  # stop after this much wall time (0 = no limit)
+    micro_batch_size: int = 8  # samples per training call (call batch = chunk size x this)
+    grad_accum: int = 0  # training calls per optimizer step (0 = all of an iteration)
+    ppo_epochs: int = 1  # passes over each batch of rollouts
+    optimizer: str = "adamw"  # adamw | adamw8bit
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    warmup_steps: int = 0  # optimizer steps of linear warm-up
+    lr_schedule: str = "constant"  # constant | cosine
+    mixed_precision: str = "no"  # no | bf16
+    gradient_checkpointing: bool = False
+    lora_rank: int = 0  # 0 = full fine-tuning
+    lora_alpha: float | None = None  # None = lora_rank
+    lora_targets: list[str] = field(
+        default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"]
+    )
+    ema_decay: float = 0.0  # 0 = no EMA
+    attention_backend: str = "auto"  # auto (flash if installed, else native) | native | flash
+
+    # --- evaluation, logging, checkpoints, faults ------------------------------------------
+    eval_every: int = 0  # iterations between evaluations (0 = only at the end)
+    eval_images: int = 64  # held-out images per evaluation
+    eval_hybrid_steps: int = 0  # >0: also evaluate hybrid inference with this many policy steps
+    log_every: int = 1
+    image_grid_every: int = 10  # iterations between rollout image grids (0 = never)
+    checkpoint_every: int = 0  # iterations between checkpoints (0 = only at the end)
+    keep_checkpoints: int = 2
+    max_bad_steps: int = 3  # consecutive non-finite steps before the run stops
+    device: str = "auto"  # auto | cpu | cuda
+    progress: bool = True
+
+    def validate(self) -> TrainConfig:
+        """Raise ConfigError for any inconsistent value; returns self."""
+        _choice("sde_kind", self.sde_kind, ("flow", "dance", "cps", "cps_mse"))
+        _choice("decode", self.decode, ("final", "x0"))
+        _choice("adv_norm", self.adv_norm, ("group", "global", "none"))
+        _choice("kl_ref", self.kl_ref, ("old", "reference"))
+        _choice("optimizer", self.optimizer, ("adamw", "adamw8bit"))
+        _choice("lr_schedule", self.lr_schedule, ("constant", "cosine"))
+        _choice("mixed_precision", self.mixed_precision, ("no", "bf16"))
+        _choice("attention_backend", self.attention_backend, ("auto", "native", "flash"))
+        _choice("device", self.device, ("auto", "cpu", "cuda"))
+        for name in ("num_steps", "group_size", "prompts_per_step", "rollout_batch_size",
+                     "micro_batch_size", "ppo_epochs", "profile_prompts", "max_chunk_size",
+                     "eval_images", "log_every", "keep_checkpoints", "max_bad_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_steps", "grad_accum", "warmup_steps", "eval_every", "checkpoint_every",
+                     "image_grid_every", "lora_rank", "eval_hybrid_steps"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.num_steps < 2:
+            raise ConfigError(f"num_steps must be >= 2 (the last step is not trained), "
+                              f"got {self.num_steps}")
+        if self.group_size < 2 and self.adv_norm != "none":
+            raise ConfigError("group_size must be >= 2 for group advantages; "
+                              "set adv_norm: none for single samples")
+        if not 0.0 < self.chunk_fraction <= 1.0:
+            raise ConfigError(f"chunk_fraction must be in (0, 1], got {self.chunk_fraction}")
+        if self.chunk_size is not None and self.chunk_size < 1:
+            raise ConfigError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        if not (0.0 <= self.eta):
+            raise ConfigError(f"eta must be >= 0, got {self.eta}")
+        if self.eta == 0.0:
+            raise ConfigError("eta must be > 0 for training: an SDE step with no noise has "
+                              "no log-probability")
+        if self.clip_low < 0 or self.clip_high < 0 or self.clip_low >= 1:
+            raise ConfigError(f"clip_low must be in [0, 1) and clip_high >= 0, got "
+                              f"{self.clip_low}, {self.clip_high}")
+        if self.adv_clip_max is not None and self.adv_clip_max <= 0:
+            raise ConfigError(f"adv_clip_max must be > 0 or null, got {self.adv_clip_max}")
+        if self.lr <= 0 or self.max_grad_norm <= 0:
+            raise ConfigError("lr and max_grad_norm must be > 0")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ConfigError(f"ema_decay must be in [0, 1), got {self.ema_decay}")
+        if self.kl_ref == "reference" and self.kl_coef > 0 and self.lora_rank == 0:
+            raise ConfigError("kl_ref: reference needs LoRA (lora_rank > 0): the reference "
+                              "model is the base with the adapters disabled")
+        if self.eval_hybrid_steps >= self.num_steps:
+            raise ConfigError(f"eval_hybrid_steps must be < num_steps ({self.num_steps})")
+        if self.max_minutes < 0:
+            raise ConfigError("max_minutes must be >= 0")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+_HINTS = typing.get_type_hints(TrainConfig)
+
+
+def _unknown_key(key: str, where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, list(_FIELDS), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ConfigError(f"unknown config key {key!r} in {where}{hint}")
+
+
+def _base_type(hint: Any) -> tuple[Any, bool]:
+    """(the non-None type, whether None is allowed) of a field's annotation."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return rest[0], True
+    return hint, False
+
+
+def coerce(key: str, value: Any) -> Any:
+    """Convert a YAML or command-line value to the field's type, or raise ConfigError."""
+    if key not in _FIELDS:
+        raise _unknown_key(key, "the configuration")
+    typ, nullable = _base_type(_HINTS[key])
+    if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
+        if nullable:
+            return None
+        raise ConfigError(f"{key} cannot be null")
+    try:
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(value).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if typ is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError(value)
+            return int(value)
+        if typ is float:
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return float(value)
+        if typ is str:
+            if isinstance(value, list):  # YAML `chunks: [2, 3, 4, 7]`
+                return ",".join(str(v) for v in value)
+            return str(value)
+        if typing.get_origin(typ) is list:
+            if isinstance(value, str):
+                value = [v.strip() for v in value.split(",") if v.strip()]
+            return [str(v) for v in value]
+    except (TypeError, ValueError):
+        pass
+    raise ConfigError(f"{key} expects {getattr(typ, '__name__', typ)}, got {value!r}")
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys to values")
+    return data
+
+
+def build_config(yaml_path: str | Path | None = None,
+                 overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """Defaults, then the YAML file, then overrides; validated."""
+    values: dict[str, Any] = {}
+    for source, data in ((str(yaml_path), load_yaml(yaml_path) if yaml_path else {}),
+                         ("the overrides", overrides or {})):
+        for key, value in data.items():
+            key = key.replace("-", "_")
+            if key not in _FIELDS:
+                raise _unknown_key(key, source)
+            values[key] = coerce(key, value)
+    return TrainConfig(**values).validate()
+
+
+def save_config(cfg: TrainConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def load_saved_config(path: str | Path) -> TrainConfig:
+    return build_config(path)
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[str | None, dict[str, Any], str | None]:
+    """Parse ``python -m chunk_grpo.train`` arguments: (YAML path, overrides, resume dir)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m chunk_grpo.train", allow_abbrev=False,
+        description="Chunk-GRPO fine-tuning of a flow-matching text-to-image model. With no "
+                    "arguments: the embedded tiny FLUX on the shapes reward (CPU).")
+    parser.add_argument("--config", help="YAML preset, e.g. configs/flux_dev_hpsv3.yaml")
+    parser.add_argument("--resume", metavar="DIR",
+                        help="run directory to continue (its saved config is the base; flags "
+                             "given here override it)")
+    for name, f in _FIELDS.items():
+        flag = "--" + name.replace("_", "-")
+        aliases = [flag] if "_" not in name else [flag, "--" + name]
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        parser.add_argument(*aliases, dest=name, default=argparse.SUPPRESS, metavar="VALUE",
+                            help=f"default: {default!r}")
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        key = unknown[0].lstrip("-").split("=")[0].replace("-", "_")
+        raise _unknown_key(key, "the command line")
+    overrides = {k: v for k, v in vars(args).items() if k not in ("config", "resume")}
+    if args.config and args.resume:
+        raise ConfigError("give either --config or --resume: a resumed run uses its saved config")
+    return args.config, overrides, args.resume

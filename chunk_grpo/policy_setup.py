@@ -1,0 +1,110 @@
+"""Prepare the transformer for training: LoRA or full fine-tuning, activation checkpointing,
+the attention backend; and export the trained weights as a plain diffusers directory."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import shutil
+from pathlib import Path
+
+import torch
+
+
+def attention_backend_name(requested: str) -> str:
+    """"auto" -> "flash" when flash-attn is importable (CUDA machines), else "native"."""
+    if requested == "auto":
+        return "flash" if importlib.util.find_spec("flash_attn") is not None else "native"
+    if requested == "flash" and importlib.util.find_spec("flash_attn") is None:
+        raise ValueError("attention_backend 'flash' needs flash-attn (pip install flash-attn, "
+                         "CUDA only); use 'native' or 'auto'")
+    return requested
+
+
+def prepare_transformer(transformer: torch.nn.Module, *, lora_rank: int,
+                        lora_alpha: float | None, lora_targets: list[str],
+                        gradient_checkpointing: bool, attention_backend: str) -> list:
+    """Configure in place; returns the trainable parameters."""
+    transformer.set_attention_backend(attention_backend_name(attention_backend))
+    if gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    if lora_rank > 0:
+        from peft import LoraConfig
+
+        transformer.requires_grad_(False)
+        transformer.add_adapter(LoraConfig(
+            r=lora_rank, lora_alpha=lora_alpha or lora_rank, target_modules=list(lora_targets),
+            init_lora_weights="gaussian"))
+    else:
+        transformer.requires_grad_(True)
+    transformer.train()
+    params = [p for p in transformer.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(f"no trainable parameters: check lora_targets {lora_targets} against "
+                         "the transformer's module names")
+    return params
+
+
+def uses_lora(transformer: torch.nn.Module) -> bool:
+    return bool(getattr(transformer, "_hf_peft_config_loaded", False))
+
+
+def trainable_state_dict(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights a checkpoint must keep: the LoRA adapters, or the whole transformer."""
+    return {n: p.detach().clone() for n, p in transformer.named_parameters() if p.requires_grad}
+
+
+def load_trainable_state_dict(transformer: torch.nn.Module, state: dict[str, torch.Tensor]):
+    params = dict(transformer.named_parameters())
+    missing = [n for n in state if n not in params]
+    if missing:
+        raise ValueError(f"checkpoint has parameters the model lacks, e.g. {missing[:3]}; was "
+                         "it saved with another LoRA / model configuration?")
+    with torch.no_grad():
+        for name, value in state.items():
+            params[name].copy_(value)
+
+
+def merged_transformer(transformer: torch.nn.Module) -> torch.nn.Module:
+    """A plain copy of the transformer with any LoRA merged into its weights."""
+    model = copy.deepcopy(transformer)
+    if not uses_lora(model):
+        return model
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.merge()
+    state = {k.replace(".base_layer", ""): v for k, v in model.state_dict().items()
+             if "lora_" not in k}
+    plain = type(transformer).from_config(transformer.config)
+    plain.load_state_dict(state)
+    return plain
+
+
+def export_pipeline(pipeline, transformer: torch.nn.Module, out_dir: str | Path,
+                    source_dir: str | Path | None) -> Path:
+    """Save ``pipeline`` with ``transformer`` (LoRA merged) as a diffusers directory.
+
+    The model's sampling defaults file (chunk_grpo.json) is copied from ``source_dir``.
+    Written to a temporary directory first and moved into place.
+    """
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    plain = merged_transformer(transformer).eval()
+    original = pipeline.transformer
+    pipeline.transformer = plain
+    try:
+        pipeline.save_pretrained(tmp)
+    finally:
+        pipeline.transformer = original
+    if source_dir is not None:
+        for extra in Path(source_dir).glob("*.json"):
+            if extra.name == "chunk_grpo.json":
+                shutil.copy2(extra, tmp / extra.name)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tmp.replace(out_dir)
+    return out_dir

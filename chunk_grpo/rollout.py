@@ -1,0 +1,168 @@
+"""Sampling: batched group rollouts that keep every latent and log-prob, and plain generation.
+
+One loop (`_denoise`) serves both: the whole batch goes through the transformer at each step
+(never batch 1), prompts are encoded once and indexed per row, and SDE steps and their
+log-probs come from `grpo_kernels`.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+import grpo_kernels
+from chunk_grpo.schedule import flux_sigmas
+
+SDE_KINDS = ("flow", "dance", "cps", "cps_mse")
+
+
+@dataclass
+class Rollout:
+    """A batch of trajectories: G consecutive rows per prompt."""
+
+    latents: torch.Tensor  # [B, T+1, N, C] float32: x_0 (noise) .. x_T (final)
+    logps: torch.Tensor  # [B, T-1] float32 sampler log-probs of the trained transitions
+    sigmas: torch.Tensor  # [T+1] float32
+    prompt_index: torch.Tensor  # [B] long: row -> prompt
+    prompts: list[str]  # the P prompts
+    images: torch.Tensor  # [B, 3, H, W] in [0, 1]
+
+    @property
+    def group_size(self) -> int:
+        return self.latents.shape[0] // len(self.prompts)
+
+
+def autocast_context(device: torch.device, mixed_precision: str):
+    """bf16 autocast for the transformer when asked; the same context in rollout and training."""
+    if mixed_precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def sde_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
+             *, kind: str, eta: float, sigma_max: float, generator: torch.Generator | None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One stochastic step (x_next, logp [B]); the deterministic last cps step has no logp."""
+    if kind in ("cps", "cps_mse") and bool((sigma_next == 0).any()):
+        return grpo_kernels.ode_step(x, v, sigma, sigma_next), None
+    device = generator.device if generator is not None else x.device
+    noise = torch.randn(x.shape, generator=generator, dtype=torch.float32, device=device)
+    return grpo_kernels.sde_step_sample(x, v, noise.to(x), sigma, sigma_next, eta=eta,
+                                        kind=kind, sigma_max=sigma_max)
+
+
+def _denoise(policies, x: torch.Tensor, embeds: list, sigmas: torch.Tensor,
+             switch_at: int, *, sampler: str, eta: float, cfg_scale: float,
+             generator: torch.Generator | None, mixed_precision: str = "no",
+             keep: bool = False):
+    """Run all steps on x; step t uses policies[0] if t < switch_at else policies[1].
+
+    Returns (final x, latents [B, T+1, ...] or None, logps [B, T] or None, last x0 prediction).
+    """
+    steps = sigmas.numel() - 1
+    b = x.shape[0]
+    traj = [x] if keep else None
+    logps = []
+    x0 = x
+    sigma_max = float(sigmas[1])
+    for t in range(steps):
+        which = 0 if t < switch_at else 1
+        policy = policies[which]
+        s = sigmas[t].expand(b).to(x.device)
+        s_next = sigmas[t + 1].expand(b).to(x.device)
+        with autocast_context(x.device, mixed_precision):
+            v = policy.velocity(x, s, embeds[which], cfg_scale=cfg_scale)
+        x0 = x - s.view(-1, *([1] * (x.dim() - 1))) * v.float()
+        if sampler == "ode":
+            x = grpo_kernels.ode_step(x, v.to(x.dtype), s, s_next)
+            logp = None
+        else:
+            x, logp = sde_step(x, v, s, s_next, kind=sampler, eta=eta, sigma_max=sigma_max,
+                               generator=generator)
+        if keep:
+            traj.append(x)
+        logps.append(logp)
+    latents = torch.stack(traj, dim=1) if keep else None
+    logp_t = None
+    if sampler != "ode":
+        logp_t = torch.stack(logps[:-1], dim=1) if steps > 1 else x.new_zeros(b, 0)
+    return x, latents, logp_t, x0
+
+
+@torch.no_grad()
+def sample_rollouts(policy, prompts: list[str], *, group_size: int, num_steps: int,
+                    shift: float, kind: str, eta: float, cfg_scale: float | None = None,
+                    generator: torch.Generator | None = None, batch_size: int = 64,
+                    shared_noise: bool = False, decode: str = "final",
+                    mixed_precision: str = "no") -> Rollout:
+    """G trajectories per prompt with the SDE sampler, keeping x_t for every t and the log-probs.
+
+    Rows are prompt-major (rows p*G .. p*G+G-1 belong to prompt p). The transformer sees
+    ``batch_size`` rows at a time; prompts are encoded once.
+    """
+    if kind not in SDE_KINDS:
+        raise ValueError(f"kind must be one of {SDE_KINDS} for training rollouts, got {kind!r}")
+    if decode not in ("final", "x0"):
+        raise ValueError(f"decode must be 'final' or 'x0', got {decode!r}")
+    cfg = policy.default_cfg_scale if cfg_scale is None else cfg_scale
+    sigmas = flux_sigmas(num_steps, shift)
+    prompt_embeds = policy.encode_prompts(list(prompts))
+    rows = len(prompts) * group_size
+    prompt_index = torch.arange(len(prompts)).repeat_interleave(group_size)
+    if shared_noise:
+        noise = policy.initial_noise(len(prompts), generator).repeat_interleave(group_size, 0)
+    else:
+        noise = policy.initial_noise(rows, generator)
+    all_latents, all_logps, images = [], [], []
+    for start in range(0, rows, batch_size):
+        idx = prompt_index[start:start + batch_size]
+        embeds = prompt_embeds.index(idx)
+        x = noise[start:start + batch_size].float()
+        x_final, latents, logps, x0 = _denoise(
+            [policy, policy], x, [embeds, embeds], sigmas, num_steps,
+            sampler=kind, eta=eta, cfg_scale=cfg, generator=generator,
+            mixed_precision=mixed_precision, keep=True)
+        all_latents.append(latents)
+        all_logps.append(logps)
+        images.append(policy.decode(x0 if decode == "x0" else x_final).float())
+    return Rollout(latents=torch.cat(all_latents), logps=torch.cat(all_logps), sigmas=sigmas,
+                   prompt_index=prompt_index, prompts=list(prompts), images=torch.cat(images))
+
+
+@torch.no_grad()
+def generate(policy, prompts: list[str], *, num_steps: int = 16, shift: float = 3.0,
+             sampler: str = "ode", eta: float = 0.0, cfg_scale: float | None = None,
+             generator: torch.Generator | None = None, batch_size: int = 64,
+             hybrid_base=None, hybrid_steps: int = 0,
+             mixed_precision: str = "no") -> torch.Tensor:
+    """Images [B, 3, H, W] in [0, 1] for ``prompts``, one per prompt.
+
+    sampler: "ode" or an SDE kind (then ``eta`` > 0). Hybrid inference: the first
+    ``hybrid_steps`` steps use ``policy``, the rest ``hybrid_base`` (another FluxPolicy).
+    """
+    if sampler != "ode" and sampler not in SDE_KINDS:
+        raise ValueError(f"sampler must be 'ode' or one of {SDE_KINDS}, got {sampler!r}")
+    if sampler != "ode" and eta <= 0:
+        raise ValueError(f"eta must be > 0 for the SDE sampler {sampler!r}, got {eta}")
+    if batch_size < 1 or num_steps < 1:
+        raise ValueError("batch_size and num_steps must be >= 1")
+    if hybrid_base is None and hybrid_steps:
+        raise ValueError("hybrid_steps > 0 needs hybrid_base (the base FluxPolicy)")
+    if hybrid_base is not None and not 0 <= hybrid_steps <= num_steps:
+        raise ValueError(f"hybrid_steps must be in [0, {num_steps}], got {hybrid_steps}")
+    policies = [policy, hybrid_base if hybrid_base is not None else policy]
+    switch_at = hybrid_steps if hybrid_base is not None else num_steps
+    cfg = policy.default_cfg_scale if cfg_scale is None else cfg_scale
+    sigmas = flux_sigmas(num_steps, shift)
+    images = []
+    for start in range(0, len(prompts), batch_size):
+        batch = list(prompts[start:start + batch_size])
+        embeds = [p.encode_prompts(batch) for p in policies]
+        x = policy.initial_noise(len(batch), generator).float()
+        x, _, _, _ = _denoise(policies, x, embeds, sigmas, switch_at, sampler=sampler,
+                              eta=eta, cfg_scale=cfg, generator=generator,
+                              mixed_precision=mixed_precision)
+        images.append(policies[1].decode(x).float())
+    return torch.cat(images)
