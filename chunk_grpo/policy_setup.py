@@ -83,11 +83,11 @@ def merged_transformer(transformer: torch.nn.Module) -> torch.nn.Module:
 
 
 def export_pipeline(pipeline, transformer: torch.nn.Module, out_dir: str | Path,
-                    source_dir: str | Path | None) -> Path:
+                    defaults=None) -> Path:
     """Save ``pipeline`` with ``transformer`` (LoRA merged) as a diffusers directory.
 
-    The model's sampling defaults file (chunk_grpo.json) is copied from ``source_dir``.
-    Written to a temporary directory first and moved into place.
+    ``defaults`` (the model's SamplingDefaults) is saved with it, so evaluation samples the
+    exported model exactly as the base. Written to a temporary directory, then moved into place.
     """
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
@@ -100,10 +100,8 @@ def export_pipeline(pipeline, transformer: torch.nn.Module, out_dir: str | Path,
         pipeline.save_pretrained(tmp)
     finally:
         pipeline.transformer = original
-    if source_dir is not None:
-        for extra in Path(source_dir).glob("*.json"):
-            if extra.name == "chunk_grpo.json":
-                shutil.copy2(extra, tmp / extra.name)
+    if defaults is not None:
+        defaults.save(tmp)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     tmp.replace(out_dir)

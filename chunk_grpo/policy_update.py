@@ -156,11 +156,11 @@ def update_policy(policy, params: list, optimizer, scheduler, rollout: Rollout, 
                                     kl_coef=cfg.kl_coef, logp_ref=reference.get(k))
             if _is_finite(loss):
                 (loss / group_sizes[k]).backward()
-                result.losses.append(float(loss))
+                result.losses.append(float(loss.detach()))
                 per_chunk = result.chunk_stats.setdefault(unit.chunk, {})
                 for name in ("ratio_mean", "clip_frac", "approx_kl", "ref_kl"):
                     if name in stats:
-                        per_chunk.setdefault(name, []).append(float(stats[name]))
+                        per_chunk.setdefault(name, []).append(float(stats[name].detach()))
             else:
                 bad = True
             if step_after[k]:

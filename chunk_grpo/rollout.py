@@ -1,6 +1,6 @@
 """Sampling: batched group rollouts that keep every latent and log-prob, and plain generation.
 
-One loop (`_denoise`) serves both: the whole batch goes through the transformer at each step
+One loop (`denoise`) serves both: the whole batch goes through the transformer at each step
 (never batch 1), prompts are encoded once and indexed per row, and SDE steps and their
 log-probs come from `grpo_kernels`.
 """
@@ -28,6 +28,7 @@ class Rollout:
     prompt_index: torch.Tensor  # [B] long: row -> prompt
     prompts: list[str]  # the P prompts
     images: torch.Tensor  # [B, 3, H, W] in [0, 1]
+    prompt_embeds: object  # PromptEmbeds of the P prompts (encoded once)
 
     @property
     def group_size(self) -> int:
@@ -53,7 +54,7 @@ def sde_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: 
                                         kind=kind, sigma_max=sigma_max)
 
 
-def _denoise(policies, x: torch.Tensor, embeds: list, sigmas: torch.Tensor,
+def denoise(policies, x: torch.Tensor, embeds: list, sigmas: torch.Tensor,
              switch_at: int, *, sampler: str, eta: float, cfg_scale: float,
              generator: torch.Generator | None, mixed_precision: str = "no",
              keep: bool = False):
@@ -120,7 +121,7 @@ def sample_rollouts(policy, prompts: list[str], *, group_size: int, num_steps: i
         idx = prompt_index[start:start + batch_size]
         embeds = prompt_embeds.index(idx)
         x = noise[start:start + batch_size].float()
-        x_final, latents, logps, x0 = _denoise(
+        x_final, latents, logps, x0 = denoise(
             [policy, policy], x, [embeds, embeds], sigmas, num_steps,
             sampler=kind, eta=eta, cfg_scale=cfg, generator=generator,
             mixed_precision=mixed_precision, keep=True)
@@ -128,7 +129,8 @@ def sample_rollouts(policy, prompts: list[str], *, group_size: int, num_steps: i
         all_logps.append(logps)
         images.append(policy.decode(x0 if decode == "x0" else x_final).float())
     return Rollout(latents=torch.cat(all_latents), logps=torch.cat(all_logps), sigmas=sigmas,
-                   prompt_index=prompt_index, prompts=list(prompts), images=torch.cat(images))
+                   prompt_index=prompt_index, prompts=list(prompts), images=torch.cat(images),
+                   prompt_embeds=prompt_embeds)
 
 
 @torch.no_grad()
@@ -161,7 +163,7 @@ def generate(policy, prompts: list[str], *, num_steps: int = 16, shift: float = 
         batch = list(prompts[start:start + batch_size])
         embeds = [p.encode_prompts(batch) for p in policies]
         x = policy.initial_noise(len(batch), generator).float()
-        x, _, _, _ = _denoise(policies, x, embeds, sigmas, switch_at, sampler=sampler,
+        x, _, _, _ = denoise(policies, x, embeds, sigmas, switch_at, sampler=sampler,
                               eta=eta, cfg_scale=cfg, generator=generator,
                               mixed_precision=mixed_precision)
         images.append(policies[1].decode(x).float())

@@ -1,0 +1,121 @@
+"""The temporal-dynamics profile: how fast latents change at each step, and chunks from it.
+
+    python -m chunk_grpo.profile [--model PATH] [--num-steps 16] [--prompts 16] [--out DIR]
+
+prints L1rel(t) = mean|x_{t+1} - x_t| / (mean|x_t| + 1e-8) per transition (averaged over prompts,
+on the base model), the proposed chunk sizes, and saves DIR/profile.json and DIR/profile.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from PIL import Image, ImageDraw
+
+from chunk_grpo.chunking import ChunkLayout, relative_change, segment_by_dynamics
+from chunk_grpo.rollout import denoise
+from chunk_grpo.schedule import flux_sigmas
+
+
+@torch.no_grad()
+def measure_dynamics(policy, prompts: list[str], *, num_steps: int, shift: float,
+                     sampler: str = "ode", eta: float = 0.0, cfg_scale: float | None = None,
+                     seed: int = 0, batch_size: int = 64) -> torch.Tensor:
+    """L1rel(t) for the T transitions, averaged over one trajectory per prompt. [T] float32."""
+    cfg = policy.default_cfg_scale if cfg_scale is None else cfg_scale
+    sigmas = flux_sigmas(num_steps, shift)
+    generator = torch.Generator().manual_seed(seed)
+    curves, weights = [], []
+    for start in range(0, len(prompts), batch_size):
+        batch = list(prompts[start:start + batch_size])
+        embeds = policy.encode_prompts(batch)
+        x = policy.initial_noise(len(batch), generator).float()
+        _, latents, _, _ = denoise([policy, policy], x, [embeds, embeds], sigmas, num_steps,
+                                    sampler=sampler, eta=eta, cfg_scale=cfg,
+                                    generator=generator, keep=True)
+        curves.append(relative_change(latents) * len(batch))
+        weights.append(len(batch))
+    return torch.stack(curves).sum(0) / sum(weights)
+
+
+def propose_chunks(curve: torch.Tensor, max_size: int = 5) -> ChunkLayout:
+    """Chunks of the T-1 trained transitions (the last transition is not trained)."""
+    return segment_by_dynamics(curve[:-1], max_size=max_size)
+
+
+def plot_profile(curve: torch.Tensor, layout: ChunkLayout, path: str | Path,
+                 size: tuple[int, int] = (640, 360)) -> Path:
+    """A line plot of the curve with the chunk boundaries as vertical lines (PNG)."""
+    w, h = size
+    pad = 40
+    img = Image.new("RGB", size, "white")
+    draw = ImageDraw.Draw(img)
+    values = curve.tolist()
+    top = max(values) * 1.1 or 1.0
+    n = len(values)
+
+    def xy(i: float, v: float) -> tuple[float, float]:
+        return pad + i * (w - 2 * pad) / max(1, n - 1), h - pad - v / top * (h - 2 * pad)
+
+    draw.line([(pad, h - pad), (w - pad, h - pad)], fill="black")
+    draw.line([(pad, pad), (pad, h - pad)], fill="black")
+    for start in layout.starts[1:]:
+        x = xy(start - 0.5, 0)[0]
+        draw.line([(x, pad), (x, h - pad)], fill=(200, 80, 80))
+    draw.line([xy(i, v) for i, v in enumerate(values)], fill=(30, 90, 200), width=2)
+    for i, v in enumerate(values):
+        x, y = xy(i, v)
+        draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=(30, 90, 200))
+    draw.text((pad, 8), f"L1rel(t) per step; chunks {list(layout.sizes)} (red: boundaries)",
+              fill="black")
+    draw.text((pad, h - pad + 8), "step t (0 = highest noise)", fill="black")
+    img.save(path)
+    return Path(path)
+
+
+def save_profile(curve: torch.Tensor, layout: ChunkLayout, out_dir: str | Path) -> None:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile.json").write_text(json.dumps(
+        {"l1rel": [round(v, 6) for v in curve.tolist()], "chunks": list(layout.sizes)},
+        indent=2) + "\n")
+    plot_profile(curve, layout, out / "profile.png")
+
+
+def main(argv: list[str] | None = None) -> ChunkLayout:
+    from chunk_grpo.models import EMBEDDED_MODEL, FluxPolicy
+    from chunk_grpo.shapes import TRAIN_PROMPTS_FILE, load_prompts
+
+    parser = argparse.ArgumentParser(prog="python -m chunk_grpo.profile", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=str(EMBEDDED_MODEL))
+    parser.add_argument("--prompts-file", default=str(TRAIN_PROMPTS_FILE))
+    parser.add_argument("--prompts", type=int, default=16, help="number of prompts")
+    parser.add_argument("--num-steps", type=int, default=None)
+    parser.add_argument("--shift", type=float, default=None)
+    parser.add_argument("--max-chunk-size", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="profile")
+    args = parser.parse_args(argv)
+    policy = FluxPolicy.from_pretrained(args.model)
+    num_steps = args.num_steps or policy.defaults.num_steps
+    shift = args.shift if args.shift is not None else policy.defaults.shift
+    prompts = load_prompts(args.prompts_file)[:args.prompts]
+    curve = measure_dynamics(policy, prompts, num_steps=num_steps, shift=shift, seed=args.seed)
+    layout = propose_chunks(curve, args.max_chunk_size)
+    print("step  sigma    L1rel")
+    sigmas = flux_sigmas(num_steps, shift)
+    for t, v in enumerate(curve.tolist()):
+        mark = "  (not trained)" if t == num_steps - 1 else ""
+        print(f"{t:4d}  {float(sigmas[t]):.4f}  {v:.5f}{mark}")
+    print(f"proposed chunks: {','.join(str(s) for s in layout.sizes)}")
+    save_profile(curve, layout, args.out)
+    print(f"saved {Path(args.out) / 'profile.json'} and {Path(args.out) / 'profile.png'}")
+    return layout
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,405 @@
+"""Chunk-GRPO training: ``python -m chunk_grpo.train`` (see ``--help``).
+
+With no arguments it fine-tunes the embedded tiny FLUX on the shapes reward on the CPU;
+``--config configs/flux_dev_hpsv3.yaml`` under torchrun trains FLUX.1-dev with the paper's settings.
+
+One iteration, in the order it runs (`train_iteration`):
+  1. sample prompts (rank-aware)
+  2. group rollouts with the SDE sampler, storing every latent x_t and log-prob
+  3. decode and score the images
+  4. group-relative advantages
+  5. choose the chunks to train (all, or a fraction drawn uniformly / by dynamics weight)
+  6. train chunk by chunk (one batched transformer call per chunk and micro-batch), with
+     optimizer steps every `grad_accum` calls
+  7. log; every N iterations evaluate on held-out prompts and checkpoint.
+Simplifications: gradients are averaged across ranks by an all-reduce after backward (no DDP
+overlap); the hybrid-evaluation base model is a second frozen copy of the base weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from chunk_grpo import distributed as D
+from chunk_grpo.advantages import group_advantages
+from chunk_grpo.checkpoint import load_checkpoint, save_checkpoint
+from chunk_grpo.chunking import ChunkLayout, parse_chunk_spec, select_chunks
+from chunk_grpo.config import (
+    ConfigError,
+    TrainConfig,
+    build_config,
+    load_yaml,
+    parse_args,
+    save_config,
+)
+from chunk_grpo.metrics import MetricsLogger, save_image_grid
+from chunk_grpo.optim import EMA, build_lr_scheduler, build_optimizer
+from chunk_grpo.policy_setup import (
+    export_pipeline,
+    load_trainable_state_dict,
+    prepare_transformer,
+    trainable_state_dict,
+)
+from chunk_grpo.policy_update import optimizer_step_after, plan_units, update_policy
+from chunk_grpo.profile import measure_dynamics, propose_chunks, save_profile
+from chunk_grpo.rollout import sample_rollouts
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many consecutive iterations with NaN/Inf rewards, losses or gradients."""
+
+
+@dataclass
+class Trainer:
+    """Everything an iteration touches."""
+
+    cfg: TrainConfig
+    info: D.DistInfo
+    run_dir: Path
+    policy: object
+    params: list
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    ema: EMA | None
+    reward_fn: object
+    train_prompts: list[str]
+    eval_prompts: list[str]
+    layout: ChunkLayout
+    chunk_weights: torch.Tensor | None
+    logger: MetricsLogger
+    base_policy: object = None  # frozen base for hybrid evaluation
+
+    @property
+    def cfg_scale(self) -> float:
+        c = self.cfg.cfg_scale
+        return self.policy.default_cfg_scale if c is None else c
+
+
+# ----------------------------------------------------------------------------- one iteration
+
+class _PhaseTimer:
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[f"time/{name}"] = time.perf_counter() - start
+
+
+def train_iteration(tr: Trainer, step: int) -> tuple[dict, bool]:
+    """One Chunk-GRPO iteration; returns (metrics, finite) -- finite False = step skipped."""
+    cfg, info, timer = tr.cfg, tr.info, _PhaseTimer()
+
+    # 1. prompts for this rank
+    prompts = D.sample_prompts(tr.train_prompts, cfg.prompts_per_step, seed=cfg.seed, step=step,
+                               info=info)
+
+    # 2. group rollouts with the SDE sampler (latents and log-probs stored)
+    with timer("rollout"):
+        rollout = sample_rollouts(
+            tr.policy, prompts, group_size=cfg.group_size, num_steps=cfg.num_steps,
+            shift=cfg.shift, kind=cfg.sde_kind, eta=cfg.eta, cfg_scale=tr.cfg_scale,
+            generator=D.step_generator(cfg.seed, step, info.rank, "rollout"),
+            batch_size=cfg.rollout_batch_size, shared_noise=cfg.shared_noise,
+            decode=cfg.decode, mixed_precision=cfg.mixed_precision)
+
+    # 3. score the decoded images
+    with timer("reward"):
+        row_prompts = [prompts[i] for i in rollout.prompt_index.tolist()]
+        rewards = tr.reward_fn(rollout.images.cpu(), row_prompts).float().cpu()
+    all_rewards = D.all_gather_cat(rewards.to(info.device), info).cpu()
+    metrics = {"reward_mean": float(all_rewards.mean()), "reward_std": float(all_rewards.std()),
+               "lr": tr.optimizer.param_groups[0]["lr"]}
+    if not bool(torch.isfinite(all_rewards).all()):
+        metrics.update(timer.seconds, skipped=1, nonfinite="reward")
+        return metrics, False
+
+    # 4. group-relative advantages
+    advantages = group_advantages(rewards, cfg.group_size, norm=cfg.adv_norm, eps=cfg.adv_eps,
+                                  clip_max=cfg.adv_clip_max, all_rewards=all_rewards)
+    metrics.update(adv_mean=float(advantages.mean()), adv_std=float(advantages.std()),
+                   adv_abs_max=float(advantages.abs().max()))
+
+    # 5. choose chunks, and the (chunk, micro-batch) training units
+    gen = D.step_generator(cfg.seed, step, info.rank, "chunks")
+    chunks = select_chunks(tr.layout.num_chunks, cfg.chunk_fraction,
+                           weights=tr.chunk_weights if cfg.weighted_chunks else None,
+                           generator=gen)
+    units = plan_units(chunks, rollout.latents.shape[0], cfg.micro_batch_size, gen)
+    metrics["chunks_trained"] = ",".join(str(j) for j in chunks)
+
+    # 6. train chunk by chunk; optimizer steps every grad_accum units
+    with timer("train"):
+        result = update_policy(
+            tr.policy, tr.params, tr.optimizer, tr.scheduler, rollout,
+            rollout.prompt_embeds, advantages.to(info.device), units,
+            [tr.layout.steps(j) for j in range(tr.layout.num_chunks)], cfg,
+            cfg_scale=tr.cfg_scale, ema=tr.ema, reduce_grads=D.make_grad_reducer(info))
+
+    # 7. metrics of the update
+    metrics.update(
+        loss=_mean(result.losses), grad_norm=_mean(result.grad_norms),
+        optimizer_steps=result.optimizer_steps, skipped=result.skipped_steps,
+        rollout_logp_gap=result.rollout_logp_gap)
+    for j, stats in sorted(result.chunk_stats.items()):
+        for name, values in stats.items():
+            metrics[f"chunk{j}/{name}"] = _mean(values)
+    for name in ("approx_kl", "clip_frac", "ratio_mean", "ref_kl"):
+        values = [v for s in result.chunk_stats.values() for v in s.get(name, [])]
+        if values:
+            metrics[name] = _mean(values)
+    metrics.update(timer.seconds)
+    if tr.cfg.image_grid_every and step % tr.cfg.image_grid_every == 0 and info.is_main:
+        save_image_grid(rollout.images, tr.run_dir / "images" / f"rollout-{step:06d}.png",
+                        ncols=cfg.group_size, captions=prompts)
+    return metrics, result.skipped_steps == 0
+
+
+def _mean(values: list[float]) -> float:
+    return float(sum(values) / len(values)) if values else float("nan")
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+def evaluate(tr: Trainer, step: int) -> dict:
+    """Held-out reward with 95% CI (ODE sampling, EMA weights if any), and hybrid inference."""
+    from chunk_grpo.evaluate import evaluate_policy
+
+    cfg, out = tr.cfg, {}
+    prompts = [tr.eval_prompts[i % len(tr.eval_prompts)] for i in range(cfg.eval_images)]
+    if tr.ema is not None:
+        tr.ema.swap()
+    try:
+        runs = [("eval", None, 0)]
+        if cfg.eval_hybrid_steps and tr.base_policy is not None:
+            runs.append(("eval_hybrid", tr.base_policy, cfg.eval_hybrid_steps))
+        for name, base, k in runs:
+            res = evaluate_policy(tr.policy, prompts, reward=tr.reward_fn, seed=cfg.seed + 1,
+                                  num_steps=cfg.num_steps, shift=cfg.shift,
+                                  cfg_scale=tr.cfg_scale, batch_size=cfg.rollout_batch_size,
+                                  hybrid_base=base, hybrid_steps=k)
+            out[f"{name}/reward_mean"] = res.reward_mean
+            out[f"{name}/reward_ci95"] = res.reward_ci95
+            if tr.info.is_main:
+                save_image_grid(res.images[:32], tr.run_dir / "images" / f"{name}-{step:06d}.png",
+                                ncols=8, captions=res.prompts[:32])
+    finally:
+        if tr.ema is not None:
+            tr.ema.swap()
+    return out
+
+
+# ----------------------------------------------------------------------------- setup
+
+def _prompt_list(spec: str) -> list[str]:
+    from chunk_grpo.shapes import HELDOUT_PROMPTS_FILE, TRAIN_PROMPTS_FILE, load_prompts
+
+    files = {"shapes:train": TRAIN_PROMPTS_FILE, "shapes:heldout": HELDOUT_PROMPTS_FILE}
+    return load_prompts(files.get(spec, spec))
+
+
+def _model_path(spec: str) -> str:
+    from chunk_grpo.models import EMBEDDED_MODEL
+
+    return str(EMBEDDED_MODEL) if spec == "embedded" else spec
+
+
+def load_policy(cfg: TrainConfig, device: torch.device):
+    from chunk_grpo.models import FluxPolicy
+
+    policy = FluxPolicy.from_pretrained(_model_path(cfg.model), device=device)
+    if cfg.height or cfg.width:
+        policy.height = cfg.height or policy.height
+        policy.width = cfg.width or policy.width
+    return policy
+
+
+def resolve_layout(cfg: TrainConfig, policy, run_dir: Path, info: D.DistInfo
+                   ) -> tuple[ChunkLayout, torch.Tensor | None]:
+    """The run's fixed chunk layout; "auto" (or weighted sampling) measures the profile."""
+    layout = parse_chunk_spec(cfg.chunks, cfg.num_steps - 1, cfg.chunk_size)
+    curve = None
+    if layout is None or cfg.weighted_chunks:
+        prompts = _prompt_list(cfg.train_prompts)[:cfg.profile_prompts]
+        curve = measure_dynamics(policy, prompts, num_steps=cfg.num_steps, shift=cfg.shift,
+                                 cfg_scale=cfg.cfg_scale, seed=cfg.seed,
+                                 batch_size=cfg.rollout_batch_size)
+        if layout is None:
+            layout = propose_chunks(curve, cfg.max_chunk_size)
+        if info.is_main:
+            save_profile(curve, layout, run_dir)
+    return layout, curve
+
+
+def _default_run_dir() -> Path:
+    return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+
+
+def build_trainer(cfg: TrainConfig, run_dir: Path, info: D.DistInfo,
+                  layout: ChunkLayout | None = None, curve: torch.Tensor | None = None
+                  ) -> Trainer:
+    from chunk_grpo.rewards import get_reward
+
+    torch.manual_seed(cfg.seed)
+    policy = load_policy(cfg, info.device)
+    if layout is None:
+        layout, curve = resolve_layout(cfg, policy, run_dir, info)
+    params = prepare_transformer(
+        policy.transformer, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+        lora_targets=cfg.lora_targets, gradient_checkpointing=cfg.gradient_checkpointing,
+        attention_backend=cfg.attention_backend)
+    optimizer = build_optimizer(params, name=cfg.optimizer, lr=cfg.lr,
+                                betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                                weight_decay=cfg.weight_decay)
+    rows = cfg.prompts_per_step * cfg.group_size
+    units = math.ceil(rows / cfg.micro_batch_size) * max(
+        1, round(cfg.chunk_fraction * layout.num_chunks))
+    steps_per_iter = sum(optimizer_step_after(units, cfg.grad_accum)) * cfg.ppo_epochs
+    scheduler = build_lr_scheduler(optimizer, warmup_steps=cfg.warmup_steps,
+                                   total_steps=cfg.max_steps * steps_per_iter,
+                                   kind=cfg.lr_schedule)
+    ema = None
+    if cfg.ema_decay > 0:
+        ema = EMA([(n, p) for n, p in policy.transformer.named_parameters() if p.requires_grad],
+                  cfg.ema_decay)
+    base = None
+    if cfg.eval_hybrid_steps:
+        base = load_policy(cfg, info.device)
+        base.transformer.requires_grad_(False).eval()
+    weights = layout.chunk_weights(curve) if curve is not None else None
+    return Trainer(cfg=cfg, info=info, run_dir=run_dir, policy=policy, params=params,
+                   optimizer=optimizer, scheduler=scheduler, ema=ema,
+                   reward_fn=get_reward(cfg.reward), train_prompts=_prompt_list(cfg.train_prompts),
+                   eval_prompts=_prompt_list(cfg.eval_prompts), layout=layout,
+                   chunk_weights=weights, logger=MetricsLogger(run_dir, enabled=info.is_main),
+                   base_policy=base)
+
+
+def _checkpoint_state(tr: Trainer, bad_streak: int) -> dict:
+    return {
+        "model": trainable_state_dict(tr.policy.transformer),
+        "optimizer": tr.optimizer.state_dict(),
+        "scheduler": tr.scheduler.state_dict(),
+        "ema": tr.ema.state_dict() if tr.ema is not None else None,
+        "bad_streak": bad_streak,
+        "chunk_layout": list(tr.layout.sizes),
+        "chunk_weights": tr.chunk_weights,
+        "config": tr.cfg.to_dict(),
+    }
+
+
+def _restore(tr: Trainer, state: dict) -> None:
+    load_trainable_state_dict(tr.policy.transformer, state["model"])
+    tr.optimizer.load_state_dict(state["optimizer"])
+    tr.scheduler.load_state_dict(state["scheduler"])
+    if tr.ema is not None and state.get("ema") is not None:
+        tr.ema.load_state_dict(state["ema"])
+
+
+# ----------------------------------------------------------------------------- the run
+
+def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = False,
+        on_step_end=None) -> Path:
+    """Train; returns the run directory (with final_model/ exported at the end).
+
+    ``on_step_end(step, metrics)`` is called after every iteration (e.g. to stop early).
+    """
+    info = D.init_distributed(cfg.device)
+    run_dir = Path(run_dir or cfg.output_dir or _default_run_dir())
+    start, bad_streak, state = 0, 0, None
+    layout = curve = None
+    if resume:
+        state = load_checkpoint(run_dir)
+        start, bad_streak = state["step"], state["bad_streak"]
+        layout = ChunkLayout(tuple(state["chunk_layout"]))
+        curve_weights = state["chunk_weights"]
+    elif info.is_main:
+        if (run_dir / "checkpoints").exists():
+            raise ConfigError(f"{run_dir} already holds a run; pass --resume {run_dir} to "
+                              "continue it or choose another output_dir")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+    D.barrier(info)
+    tr = build_trainer(cfg, run_dir, info, layout=layout, curve=curve)
+    if state is not None:
+        tr.chunk_weights = curve_weights
+        _restore(tr, state)
+        tr.logger.truncate_after(start)
+        if info.is_main:
+            save_config(cfg, run_dir / "config.yaml")
+    if info.is_main:
+        print(f"[chunk-grpo] run dir {run_dir}; chunks {list(tr.layout.sizes)}; "
+              f"steps {start}..{cfg.max_steps}", flush=True)
+    t_start = time.time()
+    bar = tqdm(range(start, cfg.max_steps), initial=start, total=cfg.max_steps,
+               disable=not (cfg.progress and info.is_main), desc="chunk-grpo")
+    step = start
+    for step in bar:
+        metrics, finite = train_iteration(tr, step)
+        bad_streak = 0 if finite else bad_streak + 1
+        done = step + 1 == cfg.max_steps or (
+            cfg.max_minutes > 0 and time.time() - t_start > 60 * cfg.max_minutes)
+        if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or done:
+            t = time.perf_counter()
+            metrics.update(evaluate(tr, step + 1))
+            metrics["time/eval"] = time.perf_counter() - t
+        if (step + 1) % cfg.log_every == 0 or done or not finite:
+            tr.logger.log(step + 1, metrics)
+        bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}")
+        if bad_streak >= cfg.max_bad_steps:
+            raise TrainingDiverged(
+                f"{bad_streak} iterations in a row had NaN/Inf rewards, losses or gradients "
+                f"(last at step {step + 1}); stopping. The last good checkpoint is kept in "
+                f"{run_dir / 'checkpoints'}; lower lr or clip ranges, or check the reward.")
+        if finite and ((cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)
+                       or done):
+            if info.is_main:
+                save_checkpoint(run_dir, step + 1, _checkpoint_state(tr, bad_streak),
+                                keep=cfg.keep_checkpoints)
+            D.barrier(info)
+        if on_step_end is not None:
+            on_step_end(step + 1, metrics)
+        if done:
+            break
+    if info.is_main:
+        export_final(tr)
+    tr.logger.close()
+    return run_dir
+
+
+def export_final(tr: Trainer) -> Path:
+    """final_model/: a diffusers directory (EMA weights if enabled, LoRA merged)."""
+    if tr.ema is not None:
+        tr.ema.swap()
+    try:
+        return export_pipeline(tr.policy.pipeline, tr.policy.transformer,
+                               tr.run_dir / "final_model", defaults=tr.policy.defaults)
+    finally:
+        if tr.ema is not None:
+            tr.ema.swap()
+
+
+def main(argv: list[str] | None = None) -> Path:
+    yaml_path, overrides, resume = parse_args(argv)
+    if resume:
+        run_dir = Path(resume)
+        if not (run_dir / "config.yaml").is_file():
+            raise ConfigError(f"--resume {resume}: no config.yaml there; give the run directory")
+        saved = load_yaml(run_dir / "config.yaml")
+        cfg = build_config(None, {**saved, **overrides})
+        return run(cfg, run_dir=run_dir, resume=True)
+    # No --config: the dataclass defaults, which configs/default.yaml spells out.
+    return run(build_config(yaml_path, overrides))
+
+
+if __name__ == "__main__":
+    main()

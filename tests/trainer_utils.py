@@ -1,0 +1,49 @@
+"""Shared pieces of the trainer tests: a tiny random FLUX saved to disk, a toy reward, a config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from chunk_grpo.config import build_config
+from chunk_grpo.models import SamplingDefaults
+from chunk_grpo.models.tiny import build_tiny_flux_pipeline
+from chunk_grpo.rewards import register_reward
+from chunk_grpo.shapes import VOCABULARY
+
+TINY_SIZES = dict(num_layers=1, num_single_layers=1, num_attention_heads=2,
+                  attention_head_dim=16, axes_dims_rope=(4, 6, 6))
+
+
+def tiny_model_dir(root: Path, seed: int = 0) -> Path:
+    """A random tiny FLUX (32x32 images, 16 latent tokens) saved as a diffusers directory."""
+    path = root / f"tiny-flux-{seed}"
+    if not path.exists():
+        pipe = build_tiny_flux_pipeline(VOCABULARY, seed=seed, **TINY_SIZES)
+        pipe.save_pretrained(path)
+        SamplingDefaults(height=32, width=32, max_sequence_length=8, num_steps=5,
+                         shift=3.0).save(path)
+    return path
+
+
+class Brightness:
+    """Toy reward: mean pixel value (the trainer should learn to brighten images)."""
+
+    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        return images.float().mean(dim=(1, 2, 3))
+
+
+try:
+    register_reward("test_brightness")(Brightness)
+except ValueError:  # already registered by another test module
+    pass
+
+
+def tiny_config(model_dir: Path, out_dir: Path, **overrides):
+    values = dict(model=str(model_dir), reward="test_brightness", output_dir=str(out_dir),
+                  num_steps=5, group_size=4, prompts_per_step=2, micro_batch_size=4,
+                  rollout_batch_size=8, chunks="2,2", max_steps=2, eval_images=4,
+                  image_grid_every=0, progress=False, eta=0.7, lr=1e-3)
+    values.update(overrides)
+    return build_config(None, values)
