@@ -4,12 +4,11 @@ Every component is the class FLUX.1-dev uses (FluxTransformer2DModel, Autoencode
 T5EncoderModel, FlowMatchEulerDiscreteScheduler), so `FluxPipeline.save_pretrained` /
 `from_pretrained` and the rest of the project treat it exactly like the real model. The two
 tokenizers are built from a word list: a word-level T5 unigram vocabulary and a CLIP byte-level BPE
-trained on the words (whole words become single tokens; unknown words still tokenize into bytes).
+learned on the words (whole words become single tokens; unknown words still tokenize into bytes).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from diffusers import (
     FluxPipeline,
     FluxTransformer2DModel,
 )
-from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+from tokenizers import pre_tokenizers
 from transformers import (
     CLIPTextConfig,
     CLIPTextModel,
@@ -93,29 +92,47 @@ def build_t5_tokenizer(vocabulary: list[str]) -> T5Tokenizer:
     return T5Tokenizer(vocab=vocab, extra_ids=0)
 
 
+def _learn_bpe_merges(words: list[str]) -> list[tuple[str, str]]:
+    """Classic BPE on the word list until every word is one symbol; ties broken by the pair
+    itself, so the merges (and token ids) are the same on every run. (The `tokenizers` trainer
+    breaks ties in hash order.)"""
+    corpus = [list(w[:-1]) + [w[-1] + "</w>"] for w in words]
+    merges = []
+    while True:
+        counts: dict[tuple[str, str], int] = {}
+        for symbols in corpus:
+            for pair in zip(symbols[:-1], symbols[1:], strict=True):
+                counts[pair] = counts.get(pair, 0) + 1
+        if not counts:
+            return merges
+        best = min(counts, key=lambda pair: (-counts[pair], pair))
+        merges.append(best)
+        for i, symbols in enumerate(corpus):
+            merged, j = [], 0
+            while j < len(symbols):
+                if j + 1 < len(symbols) and (symbols[j], symbols[j + 1]) == best:
+                    merged.append(symbols[j] + symbols[j + 1])
+                    j += 2
+                else:
+                    merged.append(symbols[j])
+                    j += 1
+            corpus[i] = merged
+
+
 def build_clip_tokenizer(vocabulary: list[str]) -> CLIPTokenizer:
-    """CLIP byte-level BPE trained on the words, so each known word is a single token."""
-    words = _clean_vocabulary(vocabulary)
-    bpe = Tokenizer(models.BPE(end_of_word_suffix="</w>", unk_token=_CLIP_SPECIALS[1]))
-    bpe.normalizer = normalizers.Lowercase()
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(
-        vocab_size=len(_CLIP_SPECIALS) + 2 * len(alphabet) + 8 * sum(len(w) for w in words),
-        special_tokens=list(_CLIP_SPECIALS),
-        initial_alphabet=alphabet,
-        end_of_word_suffix="</w>",
-        show_progress=False,
-    )
-    bpe.train_from_iterator(words * 4, trainer=trainer)
-    model = json.loads(bpe.to_str())["model"]
-    vocab = dict(model["vocab"])
-    # Single bytes at the end of a word also need their "</w>" form to cover any input.
-    for char in alphabet:
-        vocab.setdefault(char + "</w>", len(vocab))
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    """CLIP byte-level BPE whose merges make each known word a single token."""
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    words = [byte_level.pre_tokenize_str(w)[0][0] for w in _clean_vocabulary(vocabulary)]
+    merges = _learn_bpe_merges(words)
+    # CLIP's layout: single bytes, single bytes ending a word, merges in rank order, specials.
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokens = alphabet + [c + "</w>" for c in alphabet] + ["".join(m) for m in merges]
+    tokens += list(_CLIP_SPECIALS)
+    vocab = {}
+    for token in tokens:
+        vocab.setdefault(token, len(vocab))
     tokenizer = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=CLIP_MAX_LENGTH)
-    for word in words:
+    for word in vocabulary:
         if len(tokenizer.tokenize(word)) != 1:
             raise RuntimeError(f"CLIP BPE did not learn {word!r} as a single token")
     return tokenizer
