@@ -10,6 +10,7 @@ import torch
 
 from grpo_kernels import cpu_fused
 from grpo_kernels.sde_coefficients import logprob_affine, sde_coefficients
+from grpo_kernels.validation import check_sde_args
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -27,34 +28,41 @@ def _triton():
 class SdeStepLogprobFunction(torch.autograd.Function):
     """logp[i] = alpha[i] * sum_k (x'[i,k] - a[i] x[i,k] - b[i] v[i,k])^2 + beta[i].
 
-    sigma, sigma_next, eta, sigma_max: [B] tensors of the compute dtype (constants).
+    sigma, sigma_next, eta, sigma_max: [B] tensors of the compute dtype (constants). The
+    "cpu_fused" kernel also checks them (other backends were checked by the caller).
     """
 
     @staticmethod
     def forward(ctx, x, v, x_next, sigma, sigma_next, eta, sigma_max, kind, reduction, backend):
-        a, b, n = sde_coefficients(sigma, sigma_next, eta, kind, sigma_max)
-        alpha, beta = logprob_affine(n, kind, reduction, x[0].numel())
+        params = (sigma, sigma_next, eta, sigma_max)
         x2, v2, xn2 = _flat(x), _flat(v), _flat(x_next)
         if backend == "triton":
+            a, b, n = sde_coefficients(sigma, sigma_next, eta, kind, sigma_max)
+            alpha, beta = logprob_affine(n, kind, reduction, x2.shape[1])
             logp = _triton().sde_logprob_fwd(x2, v2, xn2, a, b, alpha, beta)
+            coef = torch.stack([a, b, alpha])
         else:
-            fn = cpu_fused.kernel(cpu_fused.logprob_forward, a.dtype)
-            logp = fn(x2, v2, xn2, a, b, alpha, beta)
-        ctx.save_for_backward(x, v, x_next, a, b, alpha)
+            codes = cpu_fused.kind_codes(kind, reduction, x.device)
+            fn = cpu_fused.kernel(cpu_fused.logprob_forward, sigma.dtype)
+            logp, ok, coef = fn(x2, v2, xn2, *params, *codes)
+            if not bool(ok):
+                check_sde_args(kind, *params)  # raises, naming the argument
+        ctx.save_for_backward(x, v, x_next, coef)
         ctx.backend = backend
         return logp
 
     @staticmethod
     def backward(ctx, grad_logp):
-        x, v, x_next, a, b, alpha = ctx.saved_tensors
+        x, v, x_next, coef = ctx.saved_tensors
         want = tuple(ctx.needs_input_grad[:3])
         x2, v2, xn2 = _flat(x), _flat(v), _flat(x_next)
-        scale = 2 * alpha * grad_logp.to(alpha.dtype)  # d logp / d x' = 2 alpha (x' - m)
         if ctx.backend == "triton":
+            a, b, alpha = coef
+            scale = 2 * alpha * grad_logp.to(alpha.dtype)  # d logp / d x' = 2 alpha (x' - m)
             grads = _triton().sde_logprob_bwd(x2, v2, xn2, a, b, scale, *want)
         else:
-            fn = cpu_fused.kernel(cpu_fused.logprob_backward, a.dtype)
-            grads = fn(x2, v2, xn2, a, b, scale, *want)
+            fn = cpu_fused.kernel(cpu_fused.logprob_backward, coef.dtype)
+            grads = fn(x2, v2, xn2, coef, grad_logp.contiguous(), *want)
         grads = [None if g is None else g.reshape(like.shape)
                  for g, like in zip(grads, (x, v, x_next), strict=True)]
         return (*grads, None, None, None, None, None, None, None)
@@ -62,13 +70,18 @@ class SdeStepLogprobFunction(torch.autograd.Function):
 
 def sde_sample_fused(x, v, noise, sigma, sigma_next, eta, sigma_max, kind, backend):
     """x' = m + n * eps in x's dtype, without autograd (a rollout step)."""
-    a, b, n = sde_coefficients(sigma, sigma_next, eta, kind, sigma_max)
     x2, v2, e2 = _flat(x.detach()), _flat(v.detach()), _flat(noise)
+    params = (sigma, sigma_next, eta, sigma_max)
     with torch.no_grad():
         if backend == "triton":
+            a, b, n = sde_coefficients(sigma, sigma_next, eta, kind, sigma_max)
             out = _triton().sde_sample(x2, v2, e2, a, b, n)
         else:
-            out = cpu_fused.kernel(cpu_fused.sde_sample, a.dtype)(x2, v2, e2, a, b, n)
+            codes = cpu_fused.kind_codes(kind, "mean", x.device)
+            fn = cpu_fused.kernel(cpu_fused.sde_sample, sigma.dtype)
+            out, ok, _ = fn(x2, v2, e2, *params, *codes)
+            if not bool(ok):
+                check_sde_args(kind, *params)
     return out.reshape(x.shape)
 
 

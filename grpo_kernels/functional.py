@@ -18,6 +18,7 @@ from grpo_kernels.validation import (
     check_chunk_loss_args,
     check_latents,
     check_sde_args,
+    check_sde_kind,
     compute_dtype,
     per_sample,
 )
@@ -36,18 +37,16 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
     return backend
 
 
-def _step_params(x, sigma, sigma_next, eta, kind, sigma_max, reduction, *extra):
-    """Checked [B] tensors (sigma, sigma_next, eta, sigma_max) of the compute dtype."""
+def _step_params(x, sigma, sigma_next, eta, sigma_max, *extra):
+    """[B] tensors (sigma, sigma_next, eta, sigma_max) of the compute dtype; sigma_max NaN
+    when not given (it only matters for kind="flow" where sigma == 1)."""
     dtype = compute_dtype(x, *extra)
     batch, device = x.shape[0], x.device
     sigma = per_sample(sigma, "sigma", batch, device, dtype).detach()
     sigma_next = per_sample(sigma_next, "sigma_next", batch, device, dtype).detach()
     eta = per_sample(eta, "eta", batch, device, dtype).detach()
-    check_sde_args(kind, sigma, sigma_next, eta, sigma_max, reduction)
-    # sigma_max only matters where sigma == 1 (checked above); elsewhere any value will do.
-    sigma_max = sigma if sigma_max is None else per_sample(
-        sigma_max, "sigma_max", batch, device, dtype
-    ).detach()
+    sigma_max = float("nan") if sigma_max is None else sigma_max
+    sigma_max = per_sample(sigma_max, "sigma_max", batch, device, dtype).detach()
     return sigma, sigma_next, eta, sigma_max
 
 
@@ -72,8 +71,11 @@ def sde_step_logprob(
     to v, and to x / x_next when they require grad. `check=True` also rejects NaN/Inf inputs.
     """
     check_latents(check_nan=check, x=x, v=v, x_next=x_next)
-    params = _step_params(x, sigma, sigma_next, eta, kind, sigma_max, reduction, v, x_next)
+    check_sde_kind(kind, reduction)
+    params = _step_params(x, sigma, sigma_next, eta, sigma_max, v, x_next)
     backend = resolve_backend(backend, x.device)
+    if backend != "cpu_fused":  # the fused CPU kernel checks them inside its compiled graph
+        check_sde_args(kind, *params)
     if backend == "reference":
         return reference.sde_step_logprob_reference(x, v, x_next, *params, kind, reduction)
     from grpo_kernels.autograd import SdeStepLogprobFunction
@@ -99,8 +101,11 @@ def sde_step_sample(
     the same backend (mean reduction), so a policy that has not moved reproduces it bit-for-bit.
     """
     check_latents(x=x, v=v, noise=noise)
-    params = _step_params(x, sigma, sigma_next, eta, kind, sigma_max, "mean", v)
+    check_sde_kind(kind)
+    params = _step_params(x, sigma, sigma_next, eta, sigma_max, v)
     backend = resolve_backend(backend, x.device)
+    if backend != "cpu_fused":
+        check_sde_args(kind, *params)
     if backend == "reference":
         with torch.no_grad():
             x_next = reference.sde_step_sample_reference(x, v, noise, *params, kind)[0]

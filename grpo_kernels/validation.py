@@ -67,26 +67,44 @@ def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def check_sde_args(
-    kind: str,
+def step_params_ok(
     sigma: torch.Tensor,
     sigma_next: torch.Tensor,
     eta: torch.Tensor,
-    sigma_max: float | torch.Tensor | None,
-    reduction: str = "mean",
-) -> None:
-    """Value checks on the per-sample step parameters (all [B] tensors by now)."""
+    sigma_max: torch.Tensor,
+    is_flow: torch.Tensor,
+    is_cps: torch.Tensor,
+) -> torch.Tensor:
+    """0-d bool: every per-sample step parameter is valid. Plain tensor ops, so the fused
+    kernel evaluates it inside its compiled graph (no extra pass, no sync on the CPU)."""
+    ok = (sigma > 0) & (sigma <= 1) & (sigma_next >= 0) & (sigma_next < sigma)
+    ok = ok & (eta > 0) & torch.isfinite(eta)
+    # flow at sigma == 1 needs sigma_max in (0, 1) (NaN when not given); cps needs sigma' > 0.
+    ok = ok & ((sigma < 1) | ~is_flow | ((sigma_max > 0) & (sigma_max < 1)))
+    ok = ok & ((sigma_next > 0) | ~is_cps)
+    return ok.all()
+
+
+def check_sde_kind(kind: str, reduction: str = "mean") -> None:
     if kind not in SDE_KINDS:
         hint = "; use ode_step for a deterministic step" if kind == "ode" else ""
         raise ValueError(f"kind must be one of {SDE_KINDS}, got {kind!r}{hint}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    # One fused check (one sync) on the common path; the detailed messages follow on failure.
-    ok = (sigma > 0) & (sigma <= 1) & (sigma_next >= 0) & (sigma_next < sigma) & (eta > 0)
-    ok = ok & torch.isfinite(eta) & ((sigma < 1) | (kind != "flow"))
-    ok = ok & ((sigma_next > 0) | (kind != "cps"))
-    if bool(ok.all()) and kind in SDE_KINDS and reduction in REDUCTIONS:
-        return
+
+
+def check_sde_args(
+    kind: str,
+    sigma: torch.Tensor,
+    sigma_next: torch.Tensor,
+    eta: torch.Tensor,
+    sigma_max: torch.Tensor,
+) -> None:
+    """Value checks on the per-sample step parameters ([B] tensors; sigma_max NaN = not given)."""
+    is_flow = torch.tensor(kind == "flow", device=sigma.device)
+    is_cps = torch.tensor(kind == "cps", device=sigma.device)
+    if bool(step_params_ok(sigma, sigma_next, eta, sigma_max, is_flow, is_cps)):
+        return  # one sync on the common path; the detailed messages follow on failure
     if not bool(((sigma > 0) & (sigma <= 1)).all()):
         raise ValueError(f"sigma must lie in (0, 1], got {sigma.tolist()}")
     if not bool(((sigma_next >= 0) & (sigma_next < sigma)).all()):
@@ -100,19 +118,18 @@ def check_sde_args(
             "use ode_step for eta = 0"
         )
     if kind == "flow" and bool((sigma == 1).any()):
-        if sigma_max is None:
+        if bool(sigma_max.isnan().any()):
             raise ValueError(
                 "sigma_max is required for kind='flow' when sigma == 1: pass the schedule's s_1 "
                 "(sigmas[1]), which replaces sigma in the std's denominator"
             )
-        s_max = torch.as_tensor(sigma_max, dtype=torch.float64)
-        if not bool(((s_max > 0) & (s_max < 1)).all()):
-            raise ValueError(f"sigma_max must lie in (0, 1), got {sigma_max}")
-    if kind == "cps" and bool((sigma_next == 0).any()):
+        raise ValueError(f"sigma_max must lie in (0, 1), got {sigma_max.tolist()}")
+    if kind == "cps":
         raise ValueError(
             "sigma_next == 0 gives kind='cps' zero noise, so the step has no density: the last "
             "transition is deterministic; use ode_step (or kind='cps_mse') for it"
         )
+    raise ValueError("invalid step parameters (sigma, sigma_next, eta, sigma_max)")
 
 
 def check_chunk_loss_args(
