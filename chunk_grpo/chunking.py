@@ -104,7 +104,8 @@ def segment_by_dynamics(curve: torch.Tensor, *, max_size: int = 5, min_size: int
     """Split the curve's steps where its regime changes, favouring small chunks.
 
     Candidate boundaries: the curve's extrema (sign changes of the first difference) and the
-    extrema of its second difference whose magnitude is at least ``d2_fraction`` of the largest.
+    extrema of its second difference whose magnitude is at least ``d2_fraction`` of the largest
+    (and above rounding noise).
     Chunks shorter than ``min_size`` merge into their smaller neighbour; chunks longer than
     ``max_size`` are split into near-equal parts.
     """
@@ -119,7 +120,8 @@ def segment_by_dynamics(curve: torch.Tensor, *, max_size: int = 5, min_size: int
             bounds.add(i + 1)
     d2 = d1[1:] - d1[:-1]  # d2[j] is centred on step j + 1
     if len(d2) >= 3:
-        floor = d2_fraction * d2.abs().max()
+        # Ignore rounding-level wiggles: relative to the largest bend and to the curve's scale.
+        floor = max(d2_fraction * float(d2.abs().max()), 1e-3 * float(c.abs().max()))
         for j in range(1, len(d2) - 1):
             is_max = d2[j] > d2[j - 1] and d2[j] >= d2[j + 1]
             is_min = d2[j] < d2[j - 1] and d2[j] <= d2[j + 1]

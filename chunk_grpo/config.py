@@ -18,6 +18,8 @@ from typing import Any
 
 import yaml
 
+from chunk_grpo.chunking import ChunkSpecError, parse_chunk_spec
+
 
 class ConfigError(ValueError):
     """A configuration value or key is invalid; the message names it and the fix."""
@@ -152,6 +154,10 @@ class TrainConfig:
             raise ConfigError(f"eval_hybrid_steps must be < num_steps ({self.num_steps})")
         if self.max_minutes < 0:
             raise ConfigError("max_minutes must be >= 0")
+        try:
+            parse_chunk_spec(self.chunks, self.num_steps - 1, self.chunk_size)
+        except ChunkSpecError as err:
+            raise ConfigError(f"chunks: {err}") from None
         return self
 
     def to_dict(self) -> dict[str, Any]:
