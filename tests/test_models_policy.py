@@ -168,3 +168,19 @@ def test_decode_range_and_encode_round_trip_shapes(policy):
     z = vae.encode(images * 2 - 1).latent_dist.mode()
     expected = pack_latents((z - vae.config.shift_factor) * vae.config.scaling_factor)
     torch.testing.assert_close(latents, expected)
+
+
+def test_guidance_distilled_model_gets_its_guidance_scale(tmp_path):
+    """FLUX.1-dev's path: the transformer embeds `guidance_scale`; no chunk_grpo.json there."""
+    from chunk_grpo.models.tiny import TEST_SIZES, build_tiny_flux_pipeline
+
+    build_tiny_flux_pipeline(WORDS, **TEST_SIZES, guidance_embeds=True).save_pretrained(tmp_path)
+    policy = FluxPolicy.from_pretrained(tmp_path)
+    assert (policy.height, policy.max_sequence_length, policy.guidance_scale) == (1024, 512, 3.5)
+    embeds = policy.encode_prompts(["a red circle"])
+    x = torch.randn(1, 64, 16)
+    with torch.no_grad():
+        v_default = policy.velocity(x, 0.5, embeds, height=32, width=32)
+        policy.guidance_scale = 1.0
+        v_low = policy.velocity(x, 0.5, embeds, height=32, width=32)
+    assert not torch.allclose(v_default, v_low)

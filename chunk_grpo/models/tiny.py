@@ -56,6 +56,7 @@ class TinyFluxSizes:
     clip_layers: int = 1
     clip_heads: int = 4
     clip_intermediate: int = 128
+    guidance_embeds: bool = False  # True = FLUX.1-dev's guidance-distilled conditioning
 
 
 def _sizes_from_kwargs(sizes: dict) -> TinyFluxSizes:
@@ -202,7 +203,7 @@ def build_tiny_flux_pipeline(vocabulary: list[str], *, seed: int = 0, **sizes) -
         num_attention_heads=s.num_attention_heads,
         joint_attention_dim=s.t5_d_model,
         pooled_projection_dim=s.clip_hidden,
-        guidance_embeds=False,
+        guidance_embeds=s.guidance_embeds,
         axes_dims_rope=s.axes_dims_rope,
     )
     # Fixed shift 3 (DESIGN.md schedule): the pipeline samples with the sigmas the trainer uses.
