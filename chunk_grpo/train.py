@@ -171,7 +171,8 @@ def _mean(values: list[float]) -> float:
 # ----------------------------------------------------------------------------- evaluation
 
 def evaluate(tr: Trainer, step: int) -> dict:
-    """Held-out reward with 95% CI (ODE sampling, EMA weights if any), and hybrid inference."""
+    """Held-out reward with 95% CI (ODE sampling with the model's default steps and shift, EMA
+    weights if any), and hybrid inference."""
     from chunk_grpo.evaluate import evaluate_policy
 
     cfg, out = tr.cfg, {}
@@ -183,8 +184,8 @@ def evaluate(tr: Trainer, step: int) -> dict:
         if cfg.eval_hybrid_steps and tr.base_policy is not None:
             runs.append(("eval_hybrid", tr.base_policy, cfg.eval_hybrid_steps))
         for name, base, k in runs:
+            # The model's own sampling defaults, as `python -m chunk_grpo.evaluate` uses them.
             res = evaluate_policy(tr.policy, prompts, reward=tr.reward_fn, seed=cfg.seed + 1,
-                                  num_steps=cfg.num_steps, shift=cfg.shift,
                                   cfg_scale=tr.cfg_scale, batch_size=cfg.rollout_batch_size,
                                   hybrid_base=base, hybrid_steps=k)
             out[f"{name}/reward_mean"] = res.reward_mean
