@@ -166,5 +166,5 @@ def generate(policy, prompts: list[str], *, num_steps: int = 16, shift: float = 
         x, _, _, _ = denoise(policies, x, embeds, sigmas, switch_at, sampler=sampler,
                               eta=eta, cfg_scale=cfg, generator=generator,
                               mixed_precision=mixed_precision)
-        images.append(policies[1].decode(x).float())
+        images.append(policy.decode(x).float())  # the VAE is shared: only transformers differ
     return torch.cat(images)
