@@ -1,6 +1,6 @@
 """Fused GRPO kernels for flow-matching policies.
 
-One function per op, dispatching by device: a Triton kernel on CUDA, a fused compiled kernel
+One function per op, dispatching by device: a Triton kernel on CUDA, a fused C kernel
 on the CPU, or (`backend="reference"`) the plain torch reference; autograd with analytic
 backward; nn.Module wrappers. Depends only on torch (and triton on CUDA, imported lazily).
 """

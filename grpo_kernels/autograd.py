@@ -10,78 +10,73 @@ import torch
 
 from grpo_kernels import cpu_fused
 from grpo_kernels.sde_coefficients import logprob_affine, sde_coefficients
-from grpo_kernels.validation import check_sde_args
+from grpo_kernels.validation import compute_dtype
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
-    """[B, ...] -> contiguous [B, N]: a view of contiguous input, else one copy (one layout
-    means one compiled graph)."""
+    """[B, ...] -> contiguous [B, N]: a view of contiguous input, else one copy."""
     return t.reshape(t.shape[0], -1).contiguous()
 
 
-def _triton():
-    from grpo_kernels import triton_kernels  # lazy: importing grpo_kernels never needs triton
+def _kernels(backend: str):
+    """The module implementing the fused passes: cpu_fused (C) or triton_kernels."""
+    if backend == "triton":
+        from grpo_kernels import triton_kernels  # lazy: importing grpo_kernels never needs triton
 
-    return triton_kernels
+        return triton_kernels
+    return cpu_fused
+
+
+def _coefficients(params, kind, reduction, numel, backend, device):
+    """(a, b, n, alpha, beta) as float64 numpy [B] (cpu_fused) or fp32 tensors (triton)."""
+    a, b, n = sde_coefficients(*params[:3], kind, params[3])
+    coef = (a, b, n, *logprob_affine(n, kind, reduction, numel))
+    if backend == "triton":
+        coef = tuple(torch.from_numpy(c).to(device=device, dtype=torch.float32) for c in coef)
+    return coef
 
 
 class SdeStepLogprobFunction(torch.autograd.Function):
     """logp[i] = alpha[i] * sum_k (x'[i,k] - a[i] x[i,k] - b[i] v[i,k])^2 + beta[i].
 
-    sigma, sigma_next, eta, sigma_max: [B] tensors of the compute dtype (constants). The
-    "cpu_fused" kernel also checks them (other backends were checked by the caller).
+    params: checked (sigma, sigma_next, eta, sigma_max) float64 numpy arrays [B] (constants).
     """
 
     @staticmethod
-    def forward(ctx, x, v, x_next, sigma, sigma_next, eta, sigma_max, kind, reduction, backend):
-        params = (sigma, sigma_next, eta, sigma_max)
+    def forward(ctx, x, v, x_next, params, kind, reduction, backend):
+        a, b, _, alpha, beta = _coefficients(params, kind, reduction, x[0].numel(), backend,
+                                             x.device)
         x2, v2, xn2 = _flat(x), _flat(v), _flat(x_next)
-        if backend == "triton":
-            a, b, n = sde_coefficients(sigma, sigma_next, eta, kind, sigma_max)
-            alpha, beta = logprob_affine(n, kind, reduction, x2.shape[1])
-            logp = _triton().sde_logprob_fwd(x2, v2, xn2, a, b, alpha, beta)
-            coef = torch.stack([a, b, alpha])
-        else:
-            codes = cpu_fused.kind_codes(kind, reduction, x.device)
-            fn = cpu_fused.kernel(cpu_fused.logprob_forward, sigma.dtype)
-            logp, ok, coef = fn(x2, v2, xn2, *params, *codes)
-            if not bool(ok):
-                check_sde_args(kind, *params)  # raises, naming the argument
-        ctx.save_for_backward(x, v, x_next, coef)
-        ctx.backend = backend
+        logp = _kernels(backend).sde_logprob_fwd(x2, v2, xn2, a, b, alpha, beta)
+        if logp.dtype != compute_dtype(x, v, x_next):
+            logp = logp.to(compute_dtype(x, v, x_next))
+        ctx.save_for_backward(x, v, x_next)
+        ctx.coef, ctx.backend = (a, b, alpha), backend
         return logp
 
     @staticmethod
     def backward(ctx, grad_logp):
-        x, v, x_next, coef = ctx.saved_tensors
+        x, v, x_next = ctx.saved_tensors
+        a, b, alpha = ctx.coef
         want = tuple(ctx.needs_input_grad[:3])
         x2, v2, xn2 = _flat(x), _flat(v), _flat(x_next)
         if ctx.backend == "triton":
-            a, b, alpha = coef
-            scale = 2 * alpha * grad_logp.to(alpha.dtype)  # d logp / d x' = 2 alpha (x' - m)
-            grads = _triton().sde_logprob_bwd(x2, v2, xn2, a, b, scale, *want)
+            grad = grad_logp.to(torch.float32)
         else:
-            fn = cpu_fused.kernel(cpu_fused.logprob_backward, coef.dtype)
-            grads = fn(x2, v2, xn2, coef, grad_logp.contiguous(), *want)
+            grad = grad_logp.detach().to("cpu", torch.float64).numpy()
+        scale = 2 * alpha * grad  # d logp / d x' = 2 alpha (x' - m)
+        grads = _kernels(ctx.backend).sde_logprob_bwd(x2, v2, xn2, a, b, scale, *want)
         grads = [None if g is None else g.reshape(like.shape)
                  for g, like in zip(grads, (x, v, x_next), strict=True)]
-        return (*grads, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None)
 
 
-def sde_sample_fused(x, v, noise, sigma, sigma_next, eta, sigma_max, kind, backend):
+def sde_sample_fused(x, v, noise, params, kind, backend):
     """x' = m + n * eps in x's dtype, without autograd (a rollout step)."""
+    a, b, n, _, _ = _coefficients(params, kind, "mean", x[0].numel(), backend, x.device)
     x2, v2, e2 = _flat(x.detach()), _flat(v.detach()), _flat(noise)
-    params = (sigma, sigma_next, eta, sigma_max)
     with torch.no_grad():
-        if backend == "triton":
-            a, b, n = sde_coefficients(sigma, sigma_next, eta, kind, sigma_max)
-            out = _triton().sde_sample(x2, v2, e2, a, b, n)
-        else:
-            codes = cpu_fused.kind_codes(kind, "mean", x.device)
-            fn = cpu_fused.kernel(cpu_fused.sde_sample, sigma.dtype)
-            out, ok, _ = fn(x2, v2, e2, *params, *codes)
-            if not bool(ok):
-                check_sde_args(kind, *params)
+        out = _kernels(backend).sde_sample(x2, v2, e2, a, b, n)
     return out.reshape(x.shape)
 
 
@@ -118,7 +113,7 @@ class ChunkGrpoLossFunction(torch.autograd.Function):
         chunk_id = _chunk_index(chunk_sizes, delta.device)
         sizes = torch.tensor(chunk_sizes, dtype=dtype, device=delta.device)
         if backend == "triton":
-            ratio, loss, grad_log_ratio, kl = _triton().chunk_terms(
+            ratio, loss, grad_log_ratio, kl = _kernels("triton").chunk_terms(
                 delta, advantages.to(dtype), chunk_sizes, clip_low, clip_high
             )
         else:

@@ -1,112 +1,162 @@
-"""Fused CPU kernels: small torch functions that Inductor compiles into one C++ loop each.
+"""Fused CPU kernels: hand-written C (csrc/sde_step.c), built once with the system compiler.
 
-Each reads the [B, N] latents once and never writes the SDE mean (or any other [B, N]
-temporary). The per-sample coefficients of every kind and the parameter checks are computed
-inside the same compiled graph (selected by a kind-code tensor), so one graph serves every
-kind, step and shape, and a call costs one compiled launch. Per-sample scalars come in as [B]
-tensors, never Python floats (a float would be specialised into the graph). Float64 inputs
-(gradcheck) run the same functions uncompiled.
+Each pass reads the [B, N] latents once and writes only what it returns: the SDE mean is never
+stored, nor is any other [B, N] temporary. The library is compiled on first use (well under a
+second with gcc, cached per source and CPU under ~/.cache/grpo_kernels, or
+$GRPO_KERNELS_CACHE) and called through ctypes. It takes fp32 or bf16 latents; other dtypes
+are converted to fp32 first, and float64 (gradcheck) runs the same formulas in eager torch.
+Without a working C compiler every call runs the eager torch version (a warning says so).
+
+Interface as triton_kernels: contiguous [B, N] latents; the [B] coefficients come as float64
+numpy arrays (computed on the host, see sde_coefficients.py).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
 
+import numpy as np
 import torch
 
-from grpo_kernels.sde_coefficients import logprob_affine, sde_coefficients
-from grpo_kernels.validation import SDE_KINDS, step_params_ok
+SOURCE = Path(__file__).with_name("csrc") / "sde_step.c"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def _cpu_signature() -> str:
+    """-march=native code is CPU-specific: key the cache on the CPU's model and flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
+        return "\n".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() + platform.machine()
 
 
 @functools.cache
-def kind_codes(kind: str, reduction: str, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """0-d tensors (kind code, mean reduction?) passed to the kernels; cached, built once."""
-    return (
-        torch.tensor(SDE_KINDS.index(kind), device=device),
-        torch.tensor(reduction == "mean", device=device),
-    )
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel library, or None (with one warning) when it cannot be built."""
+    compiler = os.environ.get("CC", "cc")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler, *FLAGS]).encode()
+                         + _cpu_signature().encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("GRPO_KERNELS_CACHE", Path.home() / ".cache" / "grpo_kernels"))
+    target = cache / f"sde_step-{key}.so"
+    try:
+        if not target.exists():
+            if shutil.which(compiler) is None:
+                raise RuntimeError(f"C compiler {compiler!r} not found (set CC)")
+            cache.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=cache) as tmp:
+                built = Path(tmp) / target.name
+                subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True,
+                               capture_output=True, text=True)
+                os.replace(built, target)  # atomic: concurrent processes never see half a file
+        return ctypes.CDLL(str(target))
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as err:
+        detail = getattr(err, "stderr", "") or err
+        warnings.warn(f"grpo_kernels: cannot build the fused CPU kernels ({detail}); "
+                      "falling back to eager torch (correct, slower)", stacklevel=3)
+        return None
 
 
-def step_coefficients(sigma, sigma_next, eta, sigma_max, kind_code, mean, numel):
-    """(a, b, n, alpha, beta), each [B], for the kind selected by `kind_code`.
-
-    m = a x + b v, x' = m + n eps, logp = alpha * sum((x' - m)^2) + beta. All kinds are
-    evaluated on the [B] scalars and one is selected (the others' NaNs are discarded).
-    """
-    a = b = n = alpha = beta = None
-    for code, kind in enumerate(SDE_KINDS):
-        ka, kb, kn = sde_coefficients(sigma, sigma_next, eta, kind, sigma_max)
-        kalpha, kbeta = logprob_affine(kn, kind, "sum", numel)
-        if a is None:
-            a, b, n, alpha, beta = ka, kb, kn, kalpha, kbeta
-            continue
-        pick = kind_code == code
-        a, b, n = torch.where(pick, ka, a), torch.where(pick, kb, b), torch.where(pick, kn, n)
-        alpha, beta = torch.where(pick, kalpha, alpha), torch.where(pick, kbeta, beta)
-    # "mean" divides the summed log-density by the element count.
-    alpha = torch.where(mean, alpha / numel, alpha)
-    beta = torch.where(mean, beta / numel, beta)
-    return a, b, n, alpha, beta
+def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr() if t is not None else None)
 
 
-def _params_ok(sigma, sigma_next, eta, sigma_max, kind_code):
-    return step_params_ok(
-        sigma, sigma_next, eta, sigma_max, kind_code == SDE_KINDS.index("flow"),
-        kind_code == SDE_KINDS.index("cps"),
-    )
+def _coef_ptrs(*coefs: np.ndarray) -> tuple[np.ndarray, list[ctypes.c_void_p]]:
+    """One fp32 block holding every [B] coefficient, and a pointer to each row of it.
+    The caller keeps the block alive until the C call returns."""
+    block = np.ascontiguousarray(np.stack(coefs), dtype=np.float32)
+    base, row = block.ctypes.data, block.shape[1] * 4
+    return block, [ctypes.c_void_p(base + i * row) for i in range(len(coefs))]
+
+
+def _torch(c: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    """Coefficients for the eager path, in its compute dtype (fp64 for fp64 inputs)."""
+    dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
+    return torch.from_numpy(np.asarray(c)).to(dtype)
+
+
+def _native(*tensors: torch.Tensor) -> tuple[str | None, tuple[torch.Tensor, ...]]:
+    """(C suffix, tensors in its dtype) or (None, ...) when the eager path must run."""
+    if any(t.device.type != "cpu" for t in tensors) or library() is None:
+        return None, tensors
+    dtype = tensors[0].dtype
+    if dtype == torch.float64:
+        return None, tensors
+    if dtype not in _SUFFIX or any(t.dtype != dtype for t in tensors):
+        tensors = tuple(t.float() for t in tensors)  # fp16 or mixed dtypes: one conversion
+        dtype = torch.float32
+    return _SUFFIX[dtype], tuple(t.contiguous() for t in tensors)
 
 
 def _residual(x, v, x_next, a, b):
-    """x' - m with m = a x + b v, in the coefficients' dtype (fp32 or fp64)."""
+    """x' - m, m = a x + b v, in the compute dtype (the eager fallback)."""
+    a, b = _torch(a, x), _torch(b, x)
     dtype = a.dtype
     return x_next.to(dtype) - a[:, None] * x.to(dtype) - b[:, None] * v.to(dtype)
 
 
-def logprob_forward(x, v, x_next, sigma, sigma_next, eta, sigma_max, kind_code, mean):
-    """(logp [B], params_ok, coef [3, B] = (a, b, alpha) for the backward).
-
-    logp[i] = alpha[i] * sum_k (x' - a x - b v)[i, k]^2 + beta[i]. Returning the coefficients
-    also makes Inductor compute them once into a buffer instead of once per element.
-    """
-    a, b, _, alpha, beta = step_coefficients(
-        sigma, sigma_next, eta, sigma_max, kind_code, mean, x.shape[1]
+def sde_logprob_fwd(x, v, x_next, a, b, alpha, beta):
+    """logp [B] = alpha * sum_k (x' - a x - b v)^2 + beta, one pass over the latents."""
+    suffix, (x, v, x_next) = _native(x, v, x_next)
+    if suffix is None:
+        d = _residual(x, v, x_next, a, b)
+        return _torch(alpha, x) * (d * d).sum(dim=1) + _torch(beta, x)
+    rows, n = x.shape
+    logp = torch.empty(rows, dtype=torch.float32)
+    _block, coef = _coef_ptrs(a, b, alpha, beta)
+    getattr(library(), f"sde_logprob_fwd_{suffix}")(
+        _ptr(x), _ptr(v), _ptr(x_next), *coef, _ptr(logp),
+        ctypes.c_int64(rows), ctypes.c_int64(n),
     )
-    d = _residual(x, v, x_next, a, b)
-    logp = alpha * (d * d).sum(dim=1) + beta
-    ok = _params_ok(sigma, sigma_next, eta, sigma_max, kind_code)
-    return logp, ok, torch.stack([a, b, alpha])
+    return logp
 
 
-def logprob_backward(x, v, x_next, coef, grad_logp, want_x: bool, want_v: bool, want_next: bool):
-    """Gradients of sum_i g[i] logp[i] from one read of the inputs, with s = 2 alpha g:
-    d/dx' = s (x' - m), d/dx = -a s (x' - m), d/dv = -b s (x' - m)."""
-    a, b, alpha = coef.unbind(0)
-    scale = 2 * alpha * grad_logp.to(a.dtype)
-    d = _residual(x, v, x_next, a, b)
-    grad_x = ((-a * scale)[:, None] * d).to(x.dtype) if want_x else None
-    grad_v = ((-b * scale)[:, None] * d).to(v.dtype) if want_v else None
-    grad_next = (scale[:, None] * d).to(x_next.dtype) if want_next else None
-    return grad_x, grad_v, grad_next
+def sde_logprob_bwd(x, v, x_next, a, b, scale, want_x, want_v, want_next):
+    """Gradients of sum_i g[i] logp[i], scale = 2 alpha g: d/dx' = scale (x' - m),
+    d/dx = -a scale (x' - m), d/dv = -b scale (x' - m); one pass writes all requested."""
+    like = (x, v, x_next)
+    suffix, (x, v, x_next) = _native(x, v, x_next)
+    if suffix is None:
+        d = _residual(x, v, x_next, a, b)
+        grads = [(_torch(s, x)[:, None] * d) if want else None
+                 for s, want in ((-a * scale, want_x), (-b * scale, want_v), (scale, want_next))]
+    else:
+        rows, n = x.shape
+        grads = [torch.empty_like(x) if want else None for want in (want_x, want_v, want_next)]
+        _block, coef = _coef_ptrs(a, b, -a * scale, -b * scale, scale)
+        getattr(library(), f"sde_logprob_bwd_{suffix}")(
+            _ptr(x), _ptr(v), _ptr(x_next), *coef, *map(_ptr, grads),
+            ctypes.c_int64(rows), ctypes.c_int64(n),
+        )
+    return tuple(None if g is None else g.to(t.dtype) for g, t in zip(grads, like, strict=True))
 
 
-def sde_sample(x, v, noise, sigma, sigma_next, eta, sigma_max, kind_code, mean):
-    """(x' = a x + b v + n eps in x's dtype, params_ok, coef [3, B] = (a, b, n))."""
-    a, b, n, _, _ = step_coefficients(
-        sigma, sigma_next, eta, sigma_max, kind_code, mean, x.shape[1]
+def sde_sample(x, v, noise, a, b, n):
+    """x' = a x + b v + n eps, stored in x's dtype."""
+    out_dtype = x.dtype
+    suffix, (x, v, noise) = _native(x, v, noise)
+    if suffix is None:
+        a, b, n = (_torch(c, x) for c in (a, b, n))
+        dtype = a.dtype
+        out = a[:, None] * x.to(dtype) + b[:, None] * v.to(dtype) + n[:, None] * noise.to(dtype)
+        return out.to(out_dtype)
+    rows, numel = x.shape
+    out = torch.empty_like(x)
+    _block, coef = _coef_ptrs(a, b, n)
+    getattr(library(), f"sde_sample_{suffix}")(
+        _ptr(x), _ptr(v), _ptr(noise), *coef, _ptr(out),
+        ctypes.c_int64(rows), ctypes.c_int64(numel),
     )
-    dtype = a.dtype
-    out = a[:, None] * x.to(dtype) + b[:, None] * v.to(dtype) + n[:, None] * noise.to(dtype)
-    ok = _params_ok(sigma, sigma_next, eta, sigma_max, kind_code)
-    return out.to(x.dtype), ok, torch.stack([a, b, n])
-
-
-@functools.cache
-def _compiled(fn):
-    # dynamic=True: one graph per input dtype for every shape (batch 1 gets its own, as Dynamo
-    # specialises sizes of 1). Past Dynamo's recompile limit a call runs eagerly: still right.
-    return torch.compile(fn, dynamic=True)
-
-
-def kernel(fn, dtype: torch.dtype):
-    """The compiled kernel for fp32 compute; the plain function for float64 (gradcheck)."""
-    return fn if dtype == torch.float64 else _compiled(fn)
+    return out.to(out_dtype)

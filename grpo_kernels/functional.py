@@ -1,6 +1,6 @@
 """The public functional API: validate, normalise the step parameters, dispatch to a backend.
 
-Backends: "reference" (plain torch, autograd), "cpu_fused" (torch.compile'd fused kernels with
+Backends: "reference" (plain torch, autograd), "cpu_fused" (hand-written C kernels with
 analytic backward; the default on the CPU), "triton" (the default on CUDA; on the CPU only under
 TRITON_INTERPRET=1). `backend=None` picks by device.
 """
@@ -37,17 +37,20 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
     return backend
 
 
-def _step_params(x, sigma, sigma_next, eta, sigma_max, *extra):
-    """[B] tensors (sigma, sigma_next, eta, sigma_max) of the compute dtype; sigma_max NaN
-    when not given (it only matters for kind="flow" where sigma == 1)."""
-    dtype = compute_dtype(x, *extra)
+def _step_params(x, sigma, sigma_next, eta, sigma_max):
+    """float64 numpy arrays [B] (sigma, sigma_next, eta, sigma_max); sigma_max NaN when not
+    given (it only matters for kind="flow" where sigma == 1)."""
     batch, device = x.shape[0], x.device
-    sigma = per_sample(sigma, "sigma", batch, device, dtype).detach()
-    sigma_next = per_sample(sigma_next, "sigma_next", batch, device, dtype).detach()
-    eta = per_sample(eta, "eta", batch, device, dtype).detach()
     sigma_max = float("nan") if sigma_max is None else sigma_max
-    sigma_max = per_sample(sigma_max, "sigma_max", batch, device, dtype).detach()
-    return sigma, sigma_next, eta, sigma_max
+    return tuple(
+        per_sample(value, name, batch, device)
+        for value, name in ((sigma, "sigma"), (sigma_next, "sigma_next"), (eta, "eta"),
+                            (sigma_max, "sigma_max"))
+    )
+
+
+def _as_tensors(params, device, dtype):
+    return tuple(torch.from_numpy(p).to(device=device, dtype=dtype) for p in params)
 
 
 def sde_step_logprob(
@@ -72,15 +75,15 @@ def sde_step_logprob(
     """
     check_latents(check_nan=check, x=x, v=v, x_next=x_next)
     check_sde_kind(kind, reduction)
-    params = _step_params(x, sigma, sigma_next, eta, sigma_max, v, x_next)
+    params = _step_params(x, sigma, sigma_next, eta, sigma_max)
     backend = resolve_backend(backend, x.device)
-    if backend != "cpu_fused":  # the fused CPU kernel checks them inside its compiled graph
-        check_sde_args(kind, *params)
+    check_sde_args(kind, *params)
     if backend == "reference":
+        params = _as_tensors(params, x.device, compute_dtype(x, v, x_next))
         return reference.sde_step_logprob_reference(x, v, x_next, *params, kind, reduction)
     from grpo_kernels.autograd import SdeStepLogprobFunction
 
-    return SdeStepLogprobFunction.apply(x, v, x_next, *params, kind, reduction, backend)
+    return SdeStepLogprobFunction.apply(x, v, x_next, params, kind, reduction, backend)
 
 
 def sde_step_sample(
@@ -102,17 +105,17 @@ def sde_step_sample(
     """
     check_latents(x=x, v=v, noise=noise)
     check_sde_kind(kind)
-    params = _step_params(x, sigma, sigma_next, eta, sigma_max, v)
+    params = _step_params(x, sigma, sigma_next, eta, sigma_max)
     backend = resolve_backend(backend, x.device)
-    if backend != "cpu_fused":
-        check_sde_args(kind, *params)
+    check_sde_args(kind, *params)
     if backend == "reference":
         with torch.no_grad():
-            x_next = reference.sde_step_sample_reference(x, v, noise, *params, kind)[0]
+            tensors = _as_tensors(params, x.device, compute_dtype(x, v))
+            x_next = reference.sde_step_sample_reference(x, v, noise, *tensors, kind)[0]
     else:
         from grpo_kernels.autograd import sde_sample_fused
 
-        x_next = sde_sample_fused(x, v, noise, *params, kind, backend)
+        x_next = sde_sample_fused(x, v, noise, params, kind, backend)
     sigma, sigma_next, eta, sigma_max = params
     logp = sde_step_logprob(
         x, v, x_next, sigma, sigma_next, eta=eta, kind=kind, sigma_max=sigma_max, backend=backend
@@ -132,14 +135,15 @@ def ode_step(
     """
     check_latents(x=x, v=v)
     dtype = compute_dtype(x, v)
-    sigma = per_sample(sigma, "sigma", x.shape[0], x.device, dtype).detach()
-    sigma_next = per_sample(sigma_next, "sigma_next", x.shape[0], x.device, dtype).detach()
-    if not bool(((sigma > 0) & (sigma <= 1)).all()):
+    sigma = per_sample(sigma, "sigma", x.shape[0], x.device)
+    sigma_next = per_sample(sigma_next, "sigma_next", x.shape[0], x.device)
+    if not ((sigma > 0) & (sigma <= 1)).all():
         raise ValueError(f"sigma must lie in (0, 1], got {sigma.tolist()}")
-    if not bool(((sigma_next >= 0) & (sigma_next < sigma)).all()):
+    if not ((sigma_next >= 0) & (sigma_next < sigma)).all():
         raise ValueError(
             f"sigma_next must satisfy 0 <= sigma_next < sigma, got {sigma_next.tolist()}"
         )
+    sigma, sigma_next = _as_tensors((sigma, sigma_next), x.device, dtype)
     if x.dtype == v.dtype == dtype:
         # One fused op (addcmul) in the input dtype: nothing to upcast.
         dt = (sigma_next - sigma).reshape(-1, *([1] * (x.dim() - 1)))

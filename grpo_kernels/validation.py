@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 SDE_KINDS = ("flow", "dance", "cps", "cps_mse")
@@ -39,27 +40,33 @@ def check_latents(check_nan: bool = False, **tensors: torch.Tensor) -> None:
 
 
 def per_sample(
-    value: float | torch.Tensor, name: str, batch: int, device: torch.device, dtype: torch.dtype
-) -> torch.Tensor:
-    """A Python number, a 0-d tensor or a [B] tensor -> a [B] tensor of `dtype` on `device`."""
+    value: float | torch.Tensor, name: str, batch: int, device: torch.device
+) -> np.ndarray:
+    """A Python number, a 0-d tensor or a [B] tensor -> a float64 numpy array [B].
+
+    Step parameters are tiny, so they are checked and turned into coefficients on the host.
+    """
     if isinstance(value, bool):
         raise ValueError(f"{name} must be a number or tensor, got a bool")
     if isinstance(value, (int, float)):
-        return torch.full((batch,), float(value), dtype=dtype, device=device)
+        return np.full(batch, float(value))
+    if isinstance(value, np.ndarray) and value.shape == (batch,):
+        return value.astype(np.float64, copy=False)
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"{name} must be a float or a tensor, got {type(value).__name__}")
     if not value.is_floating_point():
         raise ValueError(f"{name} must have a floating dtype, got {value.dtype}")
     if value.device != device:
         raise ValueError(f"{name} is on {value.device} but the latents are on {device}")
-    if value.dim() == 0 or (value.dim() == 1 and value.numel() == 1):
-        return value.reshape(1).to(dtype).expand(batch)
-    if value.dim() != 1 or value.shape[0] != batch:
+    host = value.detach().to("cpu", torch.float64).numpy()
+    if host.ndim == 0 or host.shape == (1,):
+        return np.full(batch, float(host.reshape(-1)[0]))
+    if host.shape != (batch,):
         raise ValueError(
             f"{name} must be a scalar or a tensor of shape [{batch}] (one per sample), "
             f"got shape {tuple(value.shape)}"
         )
-    return value.to(dtype)
+    return host
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -67,22 +74,15 @@ def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def step_params_ok(
-    sigma: torch.Tensor,
-    sigma_next: torch.Tensor,
-    eta: torch.Tensor,
-    sigma_max: torch.Tensor,
-    is_flow: torch.Tensor,
-    is_cps: torch.Tensor,
-) -> torch.Tensor:
-    """0-d bool: every per-sample step parameter is valid. Plain tensor ops, so the fused
-    kernel evaluates it inside its compiled graph (no extra pass, no sync on the CPU)."""
+def step_params_ok(sigma, sigma_next, eta, sigma_max, kind: str) -> bool:
+    """Every per-sample step parameter is valid (numpy [B] arrays; sigma_max NaN = not given)."""
     ok = (sigma > 0) & (sigma <= 1) & (sigma_next >= 0) & (sigma_next < sigma)
-    ok = ok & (eta > 0) & torch.isfinite(eta)
-    # flow at sigma == 1 needs sigma_max in (0, 1) (NaN when not given); cps needs sigma' > 0.
-    ok = ok & ((sigma < 1) | ~is_flow | ((sigma_max > 0) & (sigma_max < 1)))
-    ok = ok & ((sigma_next > 0) | ~is_cps)
-    return ok.all()
+    ok &= (eta > 0) & np.isfinite(eta)
+    if kind == "flow":  # at sigma == 1, sigma_max must be given and in (0, 1)
+        ok &= (sigma < 1) | ((sigma_max > 0) & (sigma_max < 1))
+    if kind == "cps":  # sigma_next == 0 leaves no noise, hence no density
+        ok &= sigma_next > 0
+    return bool(ok.all())
 
 
 def check_sde_kind(kind: str, reduction: str = "mean") -> None:
@@ -93,43 +93,33 @@ def check_sde_kind(kind: str, reduction: str = "mean") -> None:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
 
 
-def check_sde_args(
-    kind: str,
-    sigma: torch.Tensor,
-    sigma_next: torch.Tensor,
-    eta: torch.Tensor,
-    sigma_max: torch.Tensor,
-) -> None:
-    """Value checks on the per-sample step parameters ([B] tensors; sigma_max NaN = not given)."""
-    is_flow = torch.tensor(kind == "flow", device=sigma.device)
-    is_cps = torch.tensor(kind == "cps", device=sigma.device)
-    if bool(step_params_ok(sigma, sigma_next, eta, sigma_max, is_flow, is_cps)):
-        return  # one sync on the common path; the detailed messages follow on failure
-    if not bool(((sigma > 0) & (sigma <= 1)).all()):
+def check_sde_args(kind: str, sigma, sigma_next, eta, sigma_max) -> None:
+    """Value checks on the per-sample step parameters (float64 numpy arrays [B])."""
+    if step_params_ok(sigma, sigma_next, eta, sigma_max, kind):
+        return  # the common path; the detailed messages follow on failure
+    if not ((sigma > 0) & (sigma <= 1)).all():
         raise ValueError(f"sigma must lie in (0, 1], got {sigma.tolist()}")
-    if not bool(((sigma_next >= 0) & (sigma_next < sigma)).all()):
+    if not ((sigma_next >= 0) & (sigma_next < sigma)).all():
         raise ValueError(
             f"sigma_next must satisfy 0 <= sigma_next < sigma (the step goes towards the data), "
             f"got sigma={sigma.tolist()}, sigma_next={sigma_next.tolist()}"
         )
-    if not bool(((eta > 0) & torch.isfinite(eta)).all()):
+    if not ((eta > 0) & np.isfinite(eta)).all():
         raise ValueError(
             f"eta must be a finite number > 0 for a stochastic step, got {eta.tolist()}; "
             "use ode_step for eta = 0"
         )
-    if kind == "flow" and bool((sigma == 1).any()):
-        if bool(sigma_max.isnan().any()):
+    if kind == "flow":
+        if np.isnan(sigma_max[sigma == 1]).any():
             raise ValueError(
                 "sigma_max is required for kind='flow' when sigma == 1: pass the schedule's s_1 "
                 "(sigmas[1]), which replaces sigma in the std's denominator"
             )
         raise ValueError(f"sigma_max must lie in (0, 1), got {sigma_max.tolist()}")
-    if kind == "cps":
-        raise ValueError(
-            "sigma_next == 0 gives kind='cps' zero noise, so the step has no density: the last "
-            "transition is deterministic; use ode_step (or kind='cps_mse') for it"
-        )
-    raise ValueError("invalid step parameters (sigma, sigma_next, eta, sigma_max)")
+    raise ValueError(
+        "sigma_next == 0 gives kind='cps' zero noise, so the step has no density: the last "
+        "transition is deterministic; use ode_step (or kind='cps_mse') for it"
+    )
 
 
 def check_chunk_loss_args(

@@ -136,9 +136,10 @@ def test_non_contiguous_and_batch_of_one(backend):
 
 def test_scalar_and_per_sample_steps_agree():
     x, v, x_next, _, _ = _inputs((3, 2, 8))
-    scalar = gk.sde_step_logprob(x, v, x_next, 0.8, 0.7, eta=0.6, kind="dance")
+    # Values exact in fp32, so a Python float and an fp32 tensor carry the same number.
+    scalar = gk.sde_step_logprob(x, v, x_next, 0.75, 0.625, eta=0.5, kind="dance")
     tensor = gk.sde_step_logprob(
-        x, v, x_next, torch.full((3,), 0.8), torch.tensor(0.7), eta=torch.tensor([0.6] * 3),
+        x, v, x_next, torch.full((3,), 0.75), torch.tensor(0.625), eta=torch.tensor([0.5] * 3),
         kind="dance",
     )
     torch.testing.assert_close(scalar, tensor, rtol=0, atol=0)
@@ -297,3 +298,53 @@ def test_sample_bad_input():
         gk.sde_step_sample(x, v, torch.zeros(2, 3), sigma, sigma_next, eta=0.5, kind="dance")
     with pytest.raises(ValueError, match="eta must be"):
         gk.sde_step_sample(x, v, torch.zeros_like(x), sigma, sigma_next, eta=-1.0, kind="dance")
+
+
+def test_fused_cpu_is_bit_identical_for_any_thread_count():
+    # N = 40000 spans three 16384-element blocks: partial sums are added in block order.
+    x, v, x_next, sigma, sigma_next = _inputs((3, 40000), seed=8)
+    threads = torch.get_num_threads()
+    out = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out.append(_logprob_and_grads(x, v, x_next, sigma, sigma_next, "flow", "cpu_fused"))
+    finally:
+        torch.set_num_threads(threads)
+    for one, two in zip(*out, strict=True):
+        assert torch.equal(one, two)
+    ref = _logprob_and_grads(x, v, x_next, sigma, sigma_next, "flow", "reference")
+    for got, want in zip(out[0], ref, strict=True):
+        _close(got, want, rtol=1e-5)
+
+
+def test_fp16_and_mixed_dtypes_and_the_eager_fallback(monkeypatch):
+    x, v, x_next, sigma, sigma_next = _inputs((2, 3, 21), seed=9)
+    ref = _logprob_and_grads(x, v, x_next, sigma, sigma_next, "cps", "reference")
+    half = _logprob_and_grads(x.half(), v.half(), x_next.half(), sigma, sigma_next, "cps",
+                              "cpu_fused")
+    assert half[2].dtype == torch.float16
+    _close(half[0], ref[0], rtol=1e-2)
+    mixed = _logprob_and_grads(x, v.bfloat16(), x_next, sigma, sigma_next, "cps", "cpu_fused")
+    assert mixed[1].dtype == torch.float32 and mixed[2].dtype == torch.bfloat16
+    _close(mixed[1], ref[1], rtol=1e-2)
+    # Without a C compiler the same formulas run in eager torch.
+    from grpo_kernels import cpu_fused
+
+    monkeypatch.setattr(cpu_fused, "library", lambda: None)
+    eager = _logprob_and_grads(x, v, x_next, sigma, sigma_next, "cps", "cpu_fused")
+    for got, want in zip(eager, ref, strict=True):
+        _close(got, want, rtol=1e-5)
+
+
+def test_kernel_library_builds_into_its_cache_and_warns_without_compiler(monkeypatch, tmp_path):
+    from grpo_kernels import cpu_fused
+
+    monkeypatch.setenv("GRPO_KERNELS_CACHE", str(tmp_path))
+    lib = cpu_fused.library.__wrapped__()  # uncached: a real build
+    assert lib is not None and hasattr(lib, "sde_logprob_fwd_bf16")
+    assert len(list(tmp_path.glob("sde_step-*.so"))) == 1
+    monkeypatch.setenv("GRPO_KERNELS_CACHE", str(tmp_path / "empty"))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with pytest.warns(UserWarning, match="falling back to eager torch"):
+        assert cpu_fused.library.__wrapped__() is None
