@@ -3,7 +3,10 @@
 Each expected object is matched to one detected object (Hungarian assignment on similarity).
 Similarity gives partial credit, so the score rises smoothly as an image gets more right:
 
-    sim = objectness * (0.2 (an object is there) + 0.3 colour + 0.3 shape + 0.2 size)
+    sim = objectness * (0.1 + 0.45 (0.4 colour + 0.4 shape + 0.2 size) + 0.45 colour*shape*size)
+
+The product term rewards binding: the right colour on the right shape, which is what the held-out
+colour+shape compositions test; the sum keeps credit for each attribute on its own.
 
 objectness = how solid the blob is (1 for any filled shape, 0 for ragged noise); colour = share
 of the object's pixels of the asked colour; shape and size are soft memberships (full credit near
@@ -12,8 +15,8 @@ bounding box, square vs circle from the box fill ratio, size from the extent.
     objects = sum of matched sims / max(expected objects, sum of detected objectness)
 so a missing and an extra object both cost. With a position or relation,
     score = 0.7 objects + 0.3 spatial
-where spatial averages a soft "is it on the right side" over the objects (position) or over
-all pairs of the two groups (relation); an unmatched object scores 0 there.
+where spatial averages a soft "is it on the asked side", weighted by the match similarity, over
+the objects (position) or all pairs of the two groups (relation); unmatched objects score 0.
 
 `details()` also returns hard per-attribute accuracies for evaluation.
 """
@@ -33,7 +36,9 @@ from chunk_grpo.rewards.shapes_analysis import Detection, classify_pixels, detec
 from chunk_grpo.shapes.grammar import COLOURS, SHAPES, Scene, ShapeObject, parse_prompt
 
 LARGE_THRESHOLD = 13.0  # extent at 64x64 between small (10) and large (16)
-W_PRESENT, W_COLOUR, W_SHAPE, W_SIZE = 0.2, 0.3, 0.3, 0.2
+# Object similarity: presence, attributes one by one, and all at once (binding).
+W_PRESENT, W_ATTRIBUTES, W_BOUND = 0.1, 0.45, 0.45
+ATTRIBUTE_WEIGHTS = {"colour": 0.4, "shape": 0.4, "size": 0.2}
 W_SPATIAL = 0.3
 DETAIL_KEYS = ("colour_acc", "shape_acc", "size_acc", "count_acc", "spatial_acc", "exact")
 
@@ -82,12 +87,11 @@ def size_credit(det: Detection, size: str) -> float:
 
 def similarity(det: Detection, group: ShapeObject) -> float:
     colour = float(det.colour_fractions[COLOURS.index(group.colour)])
-    return det.objectness * (
-        W_PRESENT
-        + W_COLOUR * colour
-        + W_SHAPE * shape_credit(det, group.shape)
-        + W_SIZE * size_credit(det, group.size)
-    )
+    shape = shape_credit(det, group.shape)
+    size = size_credit(det, group.size)
+    w = ATTRIBUTE_WEIGHTS
+    each = w["colour"] * colour + w["shape"] * shape + w["size"] * size
+    return det.objectness * (W_PRESENT + W_ATTRIBUTES * each + W_BOUND * colour * shape * size)
 
 
 def _solid(det: Detection | None) -> bool:
@@ -139,22 +143,24 @@ def score_scene(
     group_of = [i for i, g in enumerate(scene.objects) for _ in range(g.count)]
     n_exp, n_det = len(groups), len(detections)
     match: list[Detection | None] = [None] * n_exp
-    matched_sim = 0.0
+    match_sim = [0.0] * n_exp
     if n_det:
         sims = np.array([[similarity(d, g) for d in detections] for g in groups])
         rows, cols = linear_sum_assignment(sims, maximize=True)
         for r, c in zip(rows, cols, strict=True):
             match[r] = detections[c]
-            matched_sim += sims[r, c]
-    object_score = matched_sim / max(n_exp, sum(d.objectness for d in detections))
+            match_sim[r] = float(sims[r, c])
+    object_score = sum(match_sim) / max(n_exp, sum(d.objectness for d in detections))
 
-    # Spatial: soft credit per checked item, and its hard version for the breakdown.
+    # Spatial: per object (position) or pair (relation), "on the asked side" times how well the
+    # objects involved match, so the right objects in the right places earn it; and its hard
+    # version for the breakdown.
     soft: list[float] = []
     hard: list[bool] = []
     if scene.position is not None:
-        for det in match:
+        for det, sim in zip(match, match_sim, strict=True):
             offset = -math.inf if det is None else _side_offset(det, scene.position, width, height)
-            soft.append(_ramp(offset, -2.0, 4.0) * (det.objectness if det else 0.0))
+            soft.append(_ramp(offset, -2.0, 4.0) * sim)
             hard.append(offset > 0)
     elif scene.relation is not None:
         for i in range(n_exp):
@@ -166,8 +172,7 @@ def score_scene(
                         if a is None or b is None
                         else _relation_offset(a, b, scene.relation, width, height)
                     )
-                    weight = min(a.objectness, b.objectness) if a and b else 0.0
-                    soft.append(_ramp(offset, 0.0, 6.0) * weight)
+                    soft.append(_ramp(offset, 0.0, 6.0) * min(match_sim[i], match_sim[j]))
                     hard.append(offset > 0)
     score = object_score
     if soft:
