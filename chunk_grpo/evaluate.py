@@ -15,6 +15,7 @@ import argparse
 import json
 import math
 import textwrap
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,13 +38,15 @@ class EvalResult:
     prompts: list[str]  # [n], the prompt of each image
     images: torch.Tensor  # [n, 3, H, W] in [0, 1]
     attributes: dict[str, float] = field(default_factory=dict)  # e.g. colour_acc, exact
+    sampling_seconds: float = math.nan  # wall time of generate()
 
     def metrics(self) -> dict:
         return {
             "reward_mean": self.reward_mean,
             "reward_ci95": self.reward_ci95,
             "n": self.n,
-            **{f"{key}": value for key, value in self.attributes.items()},
+            "sampling_seconds": self.sampling_seconds,
+            **self.attributes,
         }
 
 
@@ -89,6 +92,7 @@ def evaluate_policy(
     shift = shift if shift is not None else getattr(defaults, "shift", 3.0)
     all_prompts = [p for p in prompts for _ in range(images_per_prompt)]
     generator = torch.Generator(device="cpu").manual_seed(seed)
+    start = time.perf_counter()
     images = generate(
         policy,
         all_prompts,
@@ -102,6 +106,7 @@ def evaluate_policy(
         hybrid_base=hybrid_base,
         hybrid_steps=hybrid_steps,
     ).cpu()
+    seconds = time.perf_counter() - start
     attributes: dict[str, float] = {}
     if hasattr(scorer, "details"):
         details = scorer.details(images, all_prompts)
@@ -113,7 +118,7 @@ def evaluate_policy(
         rewards = scorer(images, all_prompts)
     rewards = rewards.float().cpu()
     mean, ci = mean_ci95(rewards)
-    return EvalResult(mean, ci, len(all_prompts), rewards, all_prompts, images, attributes)
+    return EvalResult(mean, ci, len(all_prompts), rewards, all_prompts, images, attributes, seconds)
 
 
 def captioned_grid(
@@ -226,6 +231,7 @@ def main(argv: list[str] | None = None) -> EvalResult:
     )
     for key, value in result.attributes.items():
         print(f"  {key}: {value:.4f}")
+    print(f"sampling: {result.sampling_seconds:.1f} s for {result.n} images")
     print(f"wrote {Path(args.out) / 'metrics.json'} and {Path(args.out) / 'grid.png'}")
     return result
 

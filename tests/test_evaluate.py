@@ -52,6 +52,7 @@ def test_cli_end_to_end(model_dir, tmp_path, capsys):
     assert metrics["reward_ci95"] == pytest.approx(mean_ci95(result.rewards)[1])
     for key in ("colour_acc", "shape_acc", "size_acc", "count_acc", "exact"):
         assert 0.0 <= metrics[key] <= 1.0
+    assert metrics["sampling_seconds"] > 0
     assert metrics["settings"]["num_steps"] == 2 and metrics["settings"]["sampler"] == "ode"
     rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert [r["prompt"] for r in rows] == [p for p in PROMPTS for _ in range(2)]
