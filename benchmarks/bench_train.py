@@ -1,0 +1,187 @@
+"""One training iteration of the default config, phase by phase, against the same iteration in
+the "Dance-GRPO layout": every image sampled alone (batch 1), one timestep per transformer call
+in training, log-probs and loss from the eager torch reference.
+
+    python -m pytest benchmarks/bench_train.py            (all cores, like a training run)
+    OMP_NUM_THREADS=1 python -m pytest benchmarks/bench_train.py
+
+Both layouts do the same work: the same prompts, group size, steps, trained timesteps (the
+default chunk fraction of them), reward and optimizer step. Peak memory is the process's
+resident memory above its level before the iteration (sampled every 2 ms), or the CUDA peak.
+The embedded model is used when it is installed, else a random model of the same architecture
+(speed does not depend on the weights).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import grpo_kernels
+from chunk_grpo import distributed as D
+from chunk_grpo.advantages import group_advantages
+from chunk_grpo.chunking import select_chunks
+from chunk_grpo.config import TrainConfig
+from chunk_grpo.schedule import flux_sigmas
+from chunk_grpo.train import build_trainer, train_iteration
+
+if "OMP_NUM_THREADS" in os.environ:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+RESULTS: dict[str, dict] = {}
+
+
+class PeakMemory:
+    """Peak memory above the starting level while the block runs, in MiB."""
+
+    def __enter__(self):
+        self.cuda = torch.cuda.is_available()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+            return self
+        self.base = self.peak = self._rss()
+        self.running = True
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+        return self
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _watch(self):
+        while self.running:
+            self.peak = max(self.peak, self._rss())
+            time.sleep(0.002)
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.peak = torch.cuda.max_memory_allocated()
+        else:
+            self.running = False
+            self.thread.join()
+            self.peak = max(self.peak, self._rss())
+        self.mib = (self.peak - self.base) / 2**20
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    from chunk_grpo.models import EMBEDDED_MODEL
+
+    root = tmp_path_factory.mktemp("bench")
+    model = EMBEDDED_MODEL
+    if not (Path(model) / "model_index.json").is_file():
+        from chunk_grpo.models import SamplingDefaults
+        from chunk_grpo.models.tiny import build_tiny_flux_pipeline
+        from chunk_grpo.shapes import VOCABULARY
+
+        model = root / "tiny-random"
+        build_tiny_flux_pipeline(VOCABULARY, seed=0).save_pretrained(model)
+        SamplingDefaults(height=64, width=64, max_sequence_length=32, num_steps=16).save(model)
+    cfg = TrainConfig(model=str(model), output_dir=str(root / "run"), progress=False,
+                      image_grid_every=0).validate()
+    return build_trainer(cfg, root / "run", D.DistInfo())
+
+
+def _ours(tr, step: int) -> dict:
+    metrics, finite = train_iteration(tr, step)
+    assert finite
+    out = {k.split("/")[1]: v for k, v in metrics.items() if k.startswith("time/")}
+    chunks = [int(j) for j in metrics["chunks_trained"].split(",")]
+    out["trained_steps"] = sum(tr.layout.sizes[j] for j in chunks)
+    return out
+
+
+def _dance_layout(tr, step: int) -> dict:
+    """Batch-1 rollouts with eager log-probs; training one (sample, timestep) per call."""
+    cfg, policy, times = tr.cfg, tr.policy, {}
+    prompts = D.sample_prompts(tr.train_prompts, cfg.prompts_per_step, seed=cfg.seed,
+                               step=step, info=tr.info)
+    sigmas = flux_sigmas(cfg.num_steps, cfg.shift)
+    gen = torch.Generator().manual_seed(step)
+    kw = dict(eta=cfg.eta, kind=cfg.sde_kind, sigma_max=float(sigmas[1]), backend="reference")
+    t0 = time.perf_counter()
+    latents, images, rows_prompt, embeds = [], [], [], []
+    with torch.no_grad():
+        for p in prompts:
+            emb = policy.encode_prompts([p])
+            for _ in range(cfg.group_size):
+                x = policy.initial_noise(1, gen).float()
+                traj = [x]
+                for t in range(cfg.num_steps):
+                    v = policy.velocity(x, sigmas[t:t + 1], emb, cfg_scale=tr.cfg_scale)
+                    noise = torch.randn(x.shape, generator=gen)
+                    x, _ = grpo_kernels.sde_step_sample(x, v, noise, sigmas[t], sigmas[t + 1], **kw)
+                    traj.append(x)
+                latents.append(torch.cat(traj))
+                images.append(policy.decode(x))
+                rows_prompt.append(p)
+                embeds.append(emb)
+    times["rollout"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    rewards = tr.reward_fn(torch.cat(images), rows_prompt).float()
+    times["reward"] = time.perf_counter() - t0
+    adv = group_advantages(rewards, cfg.group_size, norm=cfg.adv_norm, eps=cfg.adv_eps,
+                           clip_max=cfg.adv_clip_max)
+    t0 = time.perf_counter()
+    steps = select_chunks(cfg.num_steps - 1, cfg.chunk_fraction, generator=gen)
+    n_calls = len(latents) * len(steps)
+    tr.optimizer.zero_grad(set_to_none=True)
+    for i, traj in enumerate(latents):
+        for t in steps:
+            x, x_next = traj[t:t + 1], traj[t + 1:t + 2]
+            v = policy.velocity(x, sigmas[t:t + 1], embeds[i], cfg_scale=tr.cfg_scale)
+            logp = grpo_kernels.sde_step_logprob(x, v, x_next, sigmas[t], sigmas[t + 1], **kw)
+            loss, _ = grpo_kernels.chunk_grpo_loss(
+                logp.view(1, 1), logp.detach().view(1, 1), adv[i:i + 1], [1],
+                clip_low=cfg.clip_low, clip_high=cfg.clip_high, backend="reference")
+            (loss / n_calls).backward()
+    torch.nn.utils.clip_grad_norm_(tr.params, cfg.max_grad_norm)
+    tr.optimizer.step()
+    tr.optimizer.zero_grad(set_to_none=True)
+    times["train"] = time.perf_counter() - t0
+    times["trained_steps"] = len(steps)
+    return times
+
+
+def _run(benchmark, name: str, fn, tr):
+    fn(tr, 0)  # warm-up: first-call compilation of the fused kernels, allocator growth
+    out = {}
+
+    def once():
+        with PeakMemory() as mem:
+            out.update(fn(tr, 1))
+        out["peak_mib"] = mem.mib
+
+    benchmark.pedantic(once, rounds=1, iterations=1)
+    out["total"] = out["rollout"] + out["reward"] + out["train"]
+    RESULTS[name] = out
+    benchmark.extra_info.update({k: round(v, 3) for k, v in out.items()})
+    print(f"\n{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in out.items()))
+
+
+def test_iteration_chunk_grpo(benchmark, trainer):
+    _run(benchmark, "chunk-grpo", _ours, trainer)
+
+
+def test_iteration_dance_grpo_layout(benchmark, trainer):
+    _run(benchmark, "dance-layout", _dance_layout, trainer)
+
+
+def test_speedup_at_least_3x():
+    if set(RESULTS) != {"chunk-grpo", "dance-layout"}:
+        pytest.fail("run the whole file: the ratio needs both iterations measured")
+    ours, dance = RESULTS["chunk-grpo"], RESULTS["dance-layout"]
+    ratio = dance["total"] / ours["total"]
+    print(f"\nspeed-up {ratio:.2f}x  (ours {ours['total']:.2f} s, peak {ours['peak_mib']:.0f} MiB;"
+          f" Dance-GRPO layout {dance['total']:.2f} s, peak {dance['peak_mib']:.0f} MiB)")
+    for phase in ("rollout", "reward", "train"):
+        print(f"  {phase}: {dance[phase]:.2f} s -> {ours[phase]:.2f} s")
+    assert ratio >= 3.0
