@@ -38,7 +38,7 @@ class TrainConfig:
     width: int | None = None
 
     # --- sampling (rollouts) ----------------------------------------------------------
-    num_steps: int = 16  # T: sampling steps; the last transition is not trained
+    num_steps: int = 10  # T: sampling steps in training; the last transition is not trained
     shift: float = 3.0
     sde_kind: str = "flow"  # flow | dance | cps | cps_mse
     eta: float = 0.7
@@ -52,7 +52,7 @@ class TrainConfig:
     # --- chunking -------------------------------------------------------------------------
     chunks: str = "auto"  # "2,3,4,7" | "auto" | "step" | "sequence"
     chunk_size: int | None = None  # fixed-size chunks; overrides `chunks`
-    chunk_fraction: float = 1.0  # fraction of chunks trained per iteration
+    chunk_fraction: float = 0.5  # fraction of chunks trained per iteration
     weighted_chunks: bool = False  # draw chunks with weight ~ mean relative change
     profile_prompts: int = 16  # prompts used for the temporal-dynamics profile
     max_chunk_size: int = 5  # auto chunking splits longer segments
@@ -61,16 +61,16 @@ class TrainConfig:
     adv_norm: str = "group"  # group | global | none
     adv_clip_max: float | None = 5.0
     adv_eps: float = 1e-4
-    clip_low: float = 0.2
-    clip_high: float = 0.2
+    clip_low: float = 1e-3  # ratios of mean-reduced step log-probs stay within ~1e-3
+    clip_high: float = 1e-3
     kl_coef: float = 0.0
     kl_ref: str = "old"  # old (k3 vs the rollout policy) | reference (LoRA disabled)
 
     # --- optimisation ---------------------------------------------------------------------
-    max_steps: int = 60  # training iterations (rollout + update)
-    max_minutes: float = 0.0  # stop after this much wall time (0 = no limit)
+    max_steps: int = 400  # training iterations (rollout + update)
+    max_minutes: float = 27.0  # stop after this much training wall time (0 = no limit)
     micro_batch_size: int = 8  # samples per training call (call batch = chunk size x this)
-    grad_accum: int = 0  # training calls per optimizer step (0 = all of an iteration)
+    grad_accum: int = 4  # training calls per optimizer step (0 = all of an iteration)
     ppo_epochs: int = 1  # passes over each batch of rollouts
     optimizer: str = "adamw"  # adamw | adamw8bit
     lr: float = 1e-4
@@ -92,12 +92,12 @@ class TrainConfig:
     attention_backend: str = "auto"  # auto (flash if installed, else native) | native | flash
 
     # --- evaluation, logging, checkpoints, faults ------------------------------------------
-    eval_every: int = 0  # iterations between evaluations (0 = only at the end)
+    eval_every: int = 25  # iterations between evaluations (0 = only at the end)
     eval_images: int = 64  # held-out images per evaluation
-    eval_hybrid_steps: int = 0  # >0: also evaluate hybrid inference with this many policy steps
+    eval_hybrid_steps: int = 8  # >0: also evaluate hybrid inference, this many policy steps
     log_every: int = 1
-    image_grid_every: int = 10  # iterations between rollout image grids (0 = never)
-    checkpoint_every: int = 0  # iterations between checkpoints (0 = only at the end)
+    image_grid_every: int = 25  # iterations between rollout image grids (0 = never)
+    checkpoint_every: int = 25  # iterations between checkpoints (0 = only at the end)
     keep_checkpoints: int = 2
     max_bad_steps: int = 3  # consecutive non-finite steps before the run stops
     device: str = "auto"  # auto | cpu | cuda
@@ -150,8 +150,6 @@ class TrainConfig:
         if self.kl_ref == "reference" and self.kl_coef > 0 and self.lora_rank == 0:
             raise ConfigError("kl_ref: reference needs LoRA (lora_rank > 0): the reference "
                               "model is the base with the adapters disabled")
-        if self.eval_hybrid_steps >= self.num_steps:
-            raise ConfigError(f"eval_hybrid_steps must be < num_steps ({self.num_steps})")
         if self.max_minutes < 0:
             raise ConfigError("max_minutes must be >= 0")
         try:
