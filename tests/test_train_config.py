@@ -25,8 +25,9 @@ def test_flux_preset_has_the_papers_settings():
 
 def test_cli_overrides_yaml_and_types(tmp_path):
     path, overrides, resume = parse_args(
-        ["--config", "x.yaml", "--group-size", "6", "--clip_low", "1e-3", "--chunks", "7,8", "--num-steps", "16",
-         "--cfg-scale", "none", "--shared-noise", "true", "--lora-targets", "to_q,to_v"])
+        ["--config", "x.yaml", "--group-size", "6", "--clip_low", "1e-3", "--chunks", "7,8",
+         "--num-steps", "16", "--cfg-scale", "none", "--shared-noise", "true",
+         "--lora-targets", "to_q,to_v"])
     assert path == "x.yaml" and resume is None
     yml = tmp_path / "x.yaml"
     yml.write_text(yaml.safe_dump({"group_size": 3, "lr": 0.5, "chunks": [2, 3, 4, 6],
