@@ -6,8 +6,9 @@ in training, log-probs and loss from the eager torch reference.
     OMP_NUM_THREADS=1 python -m pytest benchmarks/bench_train.py
 
 Both layouts do the same work: the same prompts, group size, steps, trained timesteps (the
-default chunk fraction of them), reward and optimizer step. Peak memory is the process's
-resident memory above its level before the iteration (sampled every 2 ms), or the CUDA peak.
+same chunks' timesteps), reward and optimizer step. Peak memory is measured for each layout in
+a fresh process: resident memory above its level before the iteration (sampled every 2 ms; a
+process that ran the other layout first would reuse freed memory), or the CUDA peak.
 The embedded model is used when it is installed, else a random model of the same architecture
 (speed does not depend on the weights).
 """
@@ -15,6 +16,9 @@ The embedded model is used when it is installed, else a random model of the same
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -71,23 +75,35 @@ class PeakMemory:
         self.mib = (self.peak - self.base) / 2**20
 
 
-@pytest.fixture(scope="module")
-def trainer(tmp_path_factory):
+def _model(root: Path) -> Path:
     from chunk_grpo.models import EMBEDDED_MODEL
 
-    root = tmp_path_factory.mktemp("bench")
-    model = EMBEDDED_MODEL
-    if not (Path(model) / "model_index.json").is_file():
-        from chunk_grpo.models import SamplingDefaults
-        from chunk_grpo.models.tiny import build_tiny_flux_pipeline
-        from chunk_grpo.shapes import VOCABULARY
+    if (Path(EMBEDDED_MODEL) / "model_index.json").is_file():
+        return Path(EMBEDDED_MODEL)
+    from chunk_grpo.models import SamplingDefaults
+    from chunk_grpo.models.tiny import build_tiny_flux_pipeline
+    from chunk_grpo.shapes import VOCABULARY
 
-        model = root / "tiny-random"
-        build_tiny_flux_pipeline(VOCABULARY, seed=0).save_pretrained(model)
-        SamplingDefaults(height=64, width=64, max_sequence_length=32, num_steps=16).save(model)
+    model = root / "tiny-random"
+    build_tiny_flux_pipeline(VOCABULARY, seed=0).save_pretrained(model)
+    SamplingDefaults(height=64, width=64, max_sequence_length=32, num_steps=16).save(model)
+    return model
+
+
+def _trainer(model: Path, root: Path):
     cfg = TrainConfig(model=str(model), output_dir=str(root / "run"), progress=False,
                       image_grid_every=0).validate()
     return build_trainer(cfg, root / "run", D.DistInfo())
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return _model(tmp_path_factory.mktemp("bench"))
+
+
+@pytest.fixture(scope="module")
+def trainer(model_dir, tmp_path_factory):
+    return _trainer(model_dir, tmp_path_factory.mktemp("run"))
 
 
 def _ours(tr, step: int) -> dict:
@@ -131,7 +147,11 @@ def _dance_layout(tr, step: int) -> dict:
     adv = group_advantages(rewards, cfg.group_size, norm=cfg.adv_norm, eps=cfg.adv_eps,
                            clip_max=cfg.adv_clip_max)
     t0 = time.perf_counter()
-    steps = select_chunks(cfg.num_steps - 1, cfg.chunk_fraction, generator=gen)
+    # The same timesteps the chunked iteration trains at this step (same selection stream).
+    chunks = select_chunks(tr.layout.num_chunks, cfg.chunk_fraction,
+                           weights=tr.chunk_weights if cfg.weighted_chunks else None,
+                           generator=D.step_generator(cfg.seed, step, 0, "chunks"))
+    steps = [t for j in chunks for t in tr.layout.steps(j)]
     n_calls = len(latents) * len(steps)
     tr.optimizer.zero_grad(set_to_none=True)
     for i, traj in enumerate(latents):
@@ -151,28 +171,45 @@ def _dance_layout(tr, step: int) -> dict:
     return times
 
 
-def _run(benchmark, name: str, fn, tr):
-    fn(tr, 0)  # warm-up: first-call compilation of the fused kernels, allocator growth
-    out = {}
+LAYOUTS = {"chunk-grpo": _ours, "dance-layout": _dance_layout}
 
-    def once():
+
+def _peak_memory_in_fresh_process(name: str, model: Path) -> float:
+    """Peak MiB of one iteration (after a warm-up) of a layout, in a new Python process."""
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            f"import bench_train as b; print('PEAK', b.measure_peak({name!r}, {str(model)!r}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).parent.parent)
+    return float(out.stdout.split("PEAK")[-1])
+
+
+def measure_peak(name: str, model: str) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        tr = _trainer(Path(model), Path(tmp))
+        LAYOUTS[name](tr, 0)
         with PeakMemory() as mem:
-            out.update(fn(tr, 1))
-        out["peak_mib"] = mem.mib
+            LAYOUTS[name](tr, 1)
+        return mem.mib
 
-    benchmark.pedantic(once, rounds=1, iterations=1)
+
+def _run(benchmark, name: str, tr, model: Path):
+    fn = LAYOUTS[name]
+    fn(tr, 0)  # warm-up: first calls, allocator growth
+    out = {}
+    benchmark.pedantic(lambda: out.update(fn(tr, 1)), rounds=1, iterations=1)
     out["total"] = out["rollout"] + out["reward"] + out["train"]
+    out["peak_mib"] = _peak_memory_in_fresh_process(name, model)
     RESULTS[name] = out
     benchmark.extra_info.update({k: round(v, 3) for k, v in out.items()})
     print(f"\n{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in out.items()))
 
 
-def test_iteration_chunk_grpo(benchmark, trainer):
-    _run(benchmark, "chunk-grpo", _ours, trainer)
+def test_iteration_chunk_grpo(benchmark, trainer, model_dir):
+    _run(benchmark, "chunk-grpo", trainer, model_dir)
 
 
-def test_iteration_dance_grpo_layout(benchmark, trainer):
-    _run(benchmark, "dance-layout", _dance_layout, trainer)
+def test_iteration_dance_grpo_layout(benchmark, trainer, model_dir):
+    _run(benchmark, "dance-layout", trainer, model_dir)
 
 
 def test_speedup_at_least_3x():
@@ -180,8 +217,8 @@ def test_speedup_at_least_3x():
         pytest.fail("run the whole file: the ratio needs both iterations measured")
     ours, dance = RESULTS["chunk-grpo"], RESULTS["dance-layout"]
     ratio = dance["total"] / ours["total"]
-    print(f"\nspeed-up {ratio:.2f}x  (ours {ours['total']:.2f} s, peak {ours['peak_mib']:.0f} MiB;"
-          f" Dance-GRPO layout {dance['total']:.2f} s, peak {dance['peak_mib']:.0f} MiB)")
+    print(f"\nspeed-up {ratio:.2f}x  (ours {ours['total']:.2f} s, peak {ours['peak_mib']:.0f} "
+          f"MiB; Dance-GRPO layout {dance['total']:.2f} s, peak {dance['peak_mib']:.0f} MiB)")
     for phase in ("rollout", "reward", "train"):
         print(f"  {phase}: {dance[phase]:.2f} s -> {ours[phase]:.2f} s")
     assert ratio >= 3.0

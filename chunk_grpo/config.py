@@ -70,7 +70,7 @@ class TrainConfig:
     max_steps: int = 400  # training iterations (rollout + update)
     max_minutes: float = 27.0  # stop after this much training wall time (0 = no limit)
     micro_batch_size: int = 8  # samples per training call (call batch = chunk size x this)
-    grad_accum: int = 4  # training calls per optimizer step (0 = all of an iteration)
+    grad_accum: int = 0  # training calls per optimizer step (0 = all of an iteration)
     ppo_epochs: int = 1  # passes over each batch of rollouts
     optimizer: str = "adamw"  # adamw | adamw8bit
     lr: float = 1e-4
