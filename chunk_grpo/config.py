@@ -73,7 +73,7 @@ class TrainConfig:
     grad_accum: int = 0  # training calls per optimizer step (0 = all of an iteration)
     ppo_epochs: int = 1  # passes over each batch of rollouts
     optimizer: str = "adamw"  # adamw | adamw8bit
-    lr: float = 1e-4
+    lr: float = 3e-4
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -92,8 +92,8 @@ class TrainConfig:
     attention_backend: str = "auto"  # auto (flash if installed, else native) | native | flash
 
     # --- evaluation, logging, checkpoints, faults ------------------------------------------
-    eval_every: int = 25  # iterations between evaluations (0 = only at the end)
-    eval_images: int = 64  # held-out images per evaluation
+    eval_every: int = 50  # iterations between evaluations (0 = only at the end)
+    eval_images: int = 32  # held-out images per periodic evaluation
     eval_hybrid_steps: int = 8  # >0: also evaluate hybrid inference, this many policy steps
     log_every: int = 1
     image_grid_every: int = 25  # iterations between rollout image grids (0 = never)
