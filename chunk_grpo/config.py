@@ -73,7 +73,7 @@ class TrainConfig:
     grad_accum: int = 0  # training calls per optimizer step (0 = all of an iteration)
     ppo_epochs: int = 1  # passes over each batch of rollouts
     optimizer: str = "adamw"  # adamw | adamw8bit
-    lr: float = 3e-4
+    lr: float = 1e-4
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
