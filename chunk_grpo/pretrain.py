@@ -222,7 +222,8 @@ def run(args: argparse.Namespace) -> None:
     embeds, prompt_index = encode_unique_prompts(policy, prompts)
     ema = train_transformer(policy, latents, embeds, prompt_index, args, generator)
     save_model(policy, ema, args.out, defaults)
-    sizes = sum(f.stat().st_size for f in args.out.rglob("*.safetensors")) / 2**20
+    weights = [f for f in args.out.rglob("*.safetensors") if "checkpoints" not in f.parts]
+    sizes = sum(f.stat().st_size for f in weights) / 2**20
     print(f"saved {args.out} ({sizes:.1f} MB of weights) in {(time.time() - start) / 60:.1f} min")
 
 
