@@ -52,6 +52,17 @@ class ChunkLayout:
         return torch.stack([curve[self.steps(j)].float().mean() for j in range(self.num_chunks)])
 
 
+def trained_transitions(num_steps: int, sde_window: int = 0) -> int:
+    """W, the transitions with a trained log-prob: the SDE steps, never the last step into 0.
+
+    sde_window 0: every step is stochastic (W = T - 1). sde_window k: the first k steps are
+    stochastic and the rest deterministic ODE steps (W = min(k, T - 1)).
+    """
+    if sde_window < 0:
+        raise ValueError(f"sde_window must be >= 0, got {sde_window}")
+    return num_steps - 1 if sde_window == 0 else min(sde_window, num_steps - 1)
+
+
 def parse_chunk_spec(spec: str, num_trained: int, chunk_size: int | None = None
                      ) -> ChunkLayout | None:
     """A layout for ``num_trained`` transitions, or None for "auto" (needs the profile).
@@ -84,7 +95,7 @@ def parse_chunk_spec(spec: str, num_trained: int, chunk_size: int | None = None
     if sum(sizes) != num_trained:
         raise ChunkSpecError(
             f"chunk sizes {spec!r} sum to {sum(sizes)} but there are {num_trained} trained "
-            f"transitions (num_steps - 1); make them sum to {num_trained}")
+            f"transitions (num_steps - 1, or sde_window); make them sum to {num_trained}")
     return ChunkLayout(sizes)
 
 

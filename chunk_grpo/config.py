@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from chunk_grpo.chunking import ChunkSpecError, parse_chunk_spec
+from chunk_grpo.chunking import ChunkSpecError, parse_chunk_spec, trained_transitions
 
 
 class ConfigError(ValueError):
@@ -46,6 +46,7 @@ class TrainConfig:
     group_size: int = 8  # G images per prompt
     prompts_per_step: int = 4  # prompts per rank per iteration
     shared_noise: bool = False  # same initial noise for the whole group
+    sde_window: int = 0  # k > 0: only the first k steps are SDE (and trained), the rest ODE
     decode: str = "final"  # final latent | x0 (the last step's clean prediction)
     rollout_batch_size: int = 64  # rows per rollout transformer call
 
@@ -103,6 +104,11 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     progress: bool = True
 
+    @property
+    def num_trained(self) -> int:
+        """W: the transitions with a log-prob, which the chunks split."""
+        return trained_transitions(self.num_steps, self.sde_window)
+
     def validate(self) -> TrainConfig:
         """Raise ConfigError for any inconsistent value; returns self."""
         _choice("sde_kind", self.sde_kind, ("flow", "dance", "cps", "cps_mse"))
@@ -120,7 +126,7 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_steps", "grad_accum", "warmup_steps", "eval_every", "checkpoint_every",
-                     "image_grid_every", "lora_rank", "eval_hybrid_steps"):
+                     "image_grid_every", "lora_rank", "eval_hybrid_steps", "sde_window"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.num_steps < 2:
@@ -153,7 +159,7 @@ class TrainConfig:
         if self.max_minutes < 0:
             raise ConfigError("max_minutes must be >= 0")
         try:
-            parse_chunk_spec(self.chunks, self.num_steps - 1, self.chunk_size)
+            parse_chunk_spec(self.chunks, self.num_trained, self.chunk_size)
         except ChunkSpecError as err:
             raise ConfigError(f"chunks: {err}") from None
         return self

@@ -41,9 +41,12 @@ def measure_dynamics(policy, prompts: list[str], *, num_steps: int, shift: float
     return torch.stack(curves).sum(0) / sum(weights)
 
 
-def propose_chunks(curve: torch.Tensor, max_size: int = 5) -> ChunkLayout:
-    """Chunks of the T-1 trained transitions (the last transition is not trained)."""
-    return segment_by_dynamics(curve[:-1], max_size=max_size)
+def propose_chunks(curve: torch.Tensor, max_size: int = 5,
+                   num_trained: int | None = None) -> ChunkLayout:
+    """Chunks of the trained transitions: the first ``num_trained`` (default T-1: the last
+    transition is never trained)."""
+    w = curve.numel() - 1 if num_trained is None else num_trained
+    return segment_by_dynamics(curve[:w], max_size=max_size)
 
 
 def plot_profile(curve: torch.Tensor, layout: ChunkLayout, path: str | Path,

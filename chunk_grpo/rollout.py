@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 import grpo_kernels
+from chunk_grpo.chunking import trained_transitions
 from chunk_grpo.schedule import flux_sigmas
 
 SDE_KINDS = ("flow", "dance", "cps", "cps_mse")
@@ -23,7 +24,7 @@ class Rollout:
     """A batch of trajectories: G consecutive rows per prompt."""
 
     latents: torch.Tensor  # [B, T+1, N, C] float32: x_0 (noise) .. x_T (final)
-    logps: torch.Tensor  # [B, T-1] float32 sampler log-probs of the trained transitions
+    logps: torch.Tensor  # [B, W] float32 sampler log-probs of the W trained transitions
     sigmas: torch.Tensor  # [T+1] float32
     prompt_index: torch.Tensor  # [B] long: row -> prompt
     prompts: list[str]  # the P prompts
@@ -57,10 +58,11 @@ def sde_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: 
 def denoise(policies, x: torch.Tensor, embeds: list, sigmas: torch.Tensor,
              switch_at: int, *, sampler: str, eta: float, cfg_scale: float,
              generator: torch.Generator | None, mixed_precision: str = "no",
-             keep: bool = False):
+             keep: bool = False, sde_window: int = 0):
     """Run all steps on x; step t uses policies[0] if t < switch_at else policies[1].
 
-    Returns (final x, latents [B, T+1, ...] or None, logps [B, T] or None, last x0 prediction).
+    With an SDE ``sampler`` and ``sde_window`` k > 0, steps t >= k are ODE steps.
+    Returns (final x, latents [B, T+1, ...] or None, logps [B, W] or None, last x0 prediction).
     """
     steps = sigmas.numel() - 1
     b = x.shape[0]
@@ -76,7 +78,7 @@ def denoise(policies, x: torch.Tensor, embeds: list, sigmas: torch.Tensor,
         with autocast_context(x.device, mixed_precision):
             v = policy.velocity(x, s, embeds[which], cfg_scale=cfg_scale)
         x0 = x - s.view(-1, *([1] * (x.dim() - 1))) * v.float()
-        if sampler == "ode":
+        if sampler == "ode" or (sde_window and t >= sde_window):
             x = grpo_kernels.ode_step(x, v.to(x.dtype), s, s_next)
             logp = None
         else:
@@ -88,7 +90,8 @@ def denoise(policies, x: torch.Tensor, embeds: list, sigmas: torch.Tensor,
     latents = torch.stack(traj, dim=1) if keep else None
     logp_t = None
     if sampler != "ode":
-        logp_t = torch.stack(logps[:-1], dim=1) if steps > 1 else x.new_zeros(b, 0)
+        w = trained_transitions(steps, sde_window)
+        logp_t = torch.stack(logps[:w], dim=1) if w > 0 else x.new_zeros(b, 0)
     return x, latents, logp_t, x0
 
 
@@ -97,8 +100,12 @@ def sample_rollouts(policy, prompts: list[str], *, group_size: int, num_steps: i
                     shift: float, kind: str, eta: float, cfg_scale: float | None = None,
                     generator: torch.Generator | None = None, batch_size: int = 64,
                     shared_noise: bool = False, decode: str = "final",
-                    mixed_precision: str = "no") -> Rollout:
+                    mixed_precision: str = "no", sde_window: int = 0) -> Rollout:
     """G trajectories per prompt with the SDE sampler, keeping x_t for every t and the log-probs.
+
+    ``sde_window`` k > 0 samples only the first k steps stochastically and the rest with the
+    ODE (the Flow-GRPO-Fast / MixGRPO idea): with shared initial noise, every difference within
+    a group then comes from the trained high-noise transitions.
 
     Rows are prompt-major (rows p*G .. p*G+G-1 belong to prompt p). The transformer sees
     ``batch_size`` rows at a time; prompts are encoded once.
@@ -124,7 +131,7 @@ def sample_rollouts(policy, prompts: list[str], *, group_size: int, num_steps: i
         x_final, latents, logps, x0 = denoise(
             [policy, policy], x, [embeds, embeds], sigmas, num_steps,
             sampler=kind, eta=eta, cfg_scale=cfg, generator=generator,
-            mixed_precision=mixed_precision, keep=True)
+            mixed_precision=mixed_precision, keep=True, sde_window=sde_window)
         all_latents.append(latents)
         all_logps.append(logps)
         images.append(policy.decode(x0 if decode == "x0" else x_final).float())

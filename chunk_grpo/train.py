@@ -110,7 +110,7 @@ def train_iteration(tr: Trainer, step: int) -> tuple[dict, bool]:
             shift=cfg.shift, kind=cfg.sde_kind, eta=cfg.eta, cfg_scale=tr.cfg_scale,
             generator=D.step_generator(cfg.seed, step, info.rank, "rollout"),
             batch_size=cfg.rollout_batch_size, shared_noise=cfg.shared_noise,
-            decode=cfg.decode, mixed_precision=cfg.mixed_precision)
+            decode=cfg.decode, mixed_precision=cfg.mixed_precision, sde_window=cfg.sde_window)
 
     # 3. score the decoded images
     with timer("reward"):
@@ -227,7 +227,7 @@ def load_policy(cfg: TrainConfig, device: torch.device):
 def resolve_layout(cfg: TrainConfig, policy, run_dir: Path, info: D.DistInfo
                    ) -> tuple[ChunkLayout, torch.Tensor | None]:
     """The run's fixed chunk layout; "auto" (or weighted sampling) measures the profile."""
-    layout = parse_chunk_spec(cfg.chunks, cfg.num_steps - 1, cfg.chunk_size)
+    layout = parse_chunk_spec(cfg.chunks, cfg.num_trained, cfg.chunk_size)
     curve = None
     if layout is None or cfg.weighted_chunks:
         prompts = _prompt_list(cfg.train_prompts)[:cfg.profile_prompts]
@@ -235,7 +235,7 @@ def resolve_layout(cfg: TrainConfig, policy, run_dir: Path, info: D.DistInfo
                                  cfg_scale=cfg.cfg_scale, seed=cfg.seed,
                                  batch_size=cfg.rollout_batch_size)
         if layout is None:
-            layout = propose_chunks(curve, cfg.max_chunk_size)
+            layout = propose_chunks(curve, cfg.max_chunk_size, cfg.num_trained)
         if info.is_main:
             save_profile(curve, layout, run_dir)
     return layout, curve

@@ -348,3 +348,35 @@ def test_kernel_library_builds_into_its_cache_and_warns_without_compiler(monkeyp
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     with pytest.warns(UserWarning, match="falling back to eager torch"):
         assert cpu_fused.library.__wrapped__() is None
+
+
+def test_cached_outputs_never_alias_a_live_result():
+    """Large gradients reuse a cached buffer only after the caller has dropped the last one."""
+    from grpo_kernels import cpu_fused
+
+    g = torch.Generator().manual_seed(0)
+    shape = (3, 300, 300)  # 1.08 MB of fp32: large enough for the cache
+    x, v, x_next = (torch.randn(shape, generator=g) for _ in range(3))
+    v.requires_grad_(True)
+
+    def grad(scale: float) -> torch.Tensor:
+        logp = gk.sde_step_logprob(x, v, x_next, 0.8, 0.7, eta=0.7, backend="cpu_fused")
+        return torch.autograd.grad(scale * logp.sum(), v)[0]
+
+    expected = torch.autograd.grad(
+        gk.sde_step_logprob(x, v, x_next, 0.8, 0.7, eta=0.7, backend="reference").sum(), v)[0]
+    first = grad(1.0)
+    second = grad(2.0)  # `first` is alive: a new buffer, and `first` keeps its values
+    assert first.data_ptr() != second.data_ptr()
+    torch.testing.assert_close(first, expected, rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(second, 2 * expected, rtol=1e-5, atol=1e-8)
+    view = first[1:]  # a view alone keeps the buffer in use too
+    ptr = first.data_ptr()
+    del first
+    third = grad(3.0)
+    assert third.data_ptr() != ptr
+    torch.testing.assert_close(view, expected[1:], rtol=1e-5, atol=1e-8)
+    del view, second, third
+    cached = {t.data_ptr() for t in cpu_fused.OUTPUTS._tensors.values()}
+    assert grad(1.0).data_ptr() in cached  # every earlier result is gone: a buffer is reused
+    cpu_fused.OUTPUTS.clear()

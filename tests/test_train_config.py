@@ -58,6 +58,12 @@ def test_unknown_keys_are_errors(tmp_path):
         build_config(tmp_path / "missing.yaml")
 
 
+def test_sde_window_sets_the_trained_transitions():
+    cfg = build_config(None, {"num_steps": 10, "sde_window": 4, "chunks": "1,3"})
+    assert cfg.num_trained == 4
+    assert build_config(None, {"num_steps": 10, "sde_window": 0}).num_trained == 9
+
+
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
@@ -83,6 +89,8 @@ def test_unknown_keys_are_errors(tmp_path):
         ({"chunks": "2,3,4", "num_steps": 16}, "chunks: chunk sizes '2,3,4' sum to 9 but "
                                                 "there are 15"),
         ({"chunks": "big"}, "chunks: chunks must be 'auto', 'step', 'sequence'"),
+        ({"sde_window": -1}, "sde_window must be >= 0"),
+        ({"chunks": "2,2", "sde_window": 3}, "sum to 4 but there are 3 trained"),
     ],
 )
 def test_invalid_values(overrides, match):

@@ -41,6 +41,36 @@ def test_rollout_layout_and_determinism(policies):
     assert not torch.equal(shared.latents[0, -1], shared.latents[1, -1])  # the SDE diverges
 
 
+def test_sde_window_rollout(policies):
+    """Only the first k steps are stochastic: with shared noise a group agrees up to x_0 and
+    diverges after, the later steps are the ODE's, and only k log-probs are kept."""
+    policy, _ = policies
+    kw = dict(group_size=2, num_steps=5, shift=3.0, kind="flow", eta=0.7, shared_noise=True)
+    r = sample_rollouts(policy, PROMPTS[:1], generator=torch.Generator().manual_seed(0),
+                        sde_window=2, **kw)
+    assert r.logps.shape == (2, 2) and torch.isfinite(r.logps).all()
+    assert not torch.equal(r.latents[0, 2], r.latents[1, 2])
+    with torch.no_grad():  # steps 2.. are deterministic: recompute one ODE step by hand
+        t = 3
+        s, s_next = r.sigmas[t].expand(2), r.sigmas[t + 1].expand(2)
+        embeds = r.prompt_embeds.index(r.prompt_index)
+        v = policy.velocity(r.latents[:, t], s, embeds, cfg_scale=policy.default_cfg_scale)
+        x_next = r.latents[:, t] + (s_next - s).view(-1, 1, 1) * v
+    torch.testing.assert_close(r.latents[:, t + 1], x_next, rtol=1e-5, atol=1e-5)
+    full = sample_rollouts(policy, PROMPTS[:1], generator=torch.Generator().manual_seed(0),
+                           sde_window=99, **kw)
+    assert full.logps.shape == (2, 4)  # the window never includes the last step
+
+
+def test_trained_transitions():
+    from chunk_grpo.chunking import trained_transitions
+
+    assert trained_transitions(10) == 9 and trained_transitions(10, 3) == 3
+    assert trained_transitions(10, 10) == 9
+    with pytest.raises(ValueError, match="sde_window"):
+        trained_transitions(10, -1)
+
+
 def test_cps_rollout_and_x0_decode(policies):
     policy, _ = policies
     r = sample_rollouts(policy, PROMPTS[:1], group_size=2, num_steps=3, shift=1.0, kind="cps",
