@@ -64,3 +64,21 @@ def test_checkpoints_are_atomic_and_pruned(tmp_path):
     assert state["step"] == 3 and int(state["x"]) == 3
     with pytest.raises(ValueError, match="no checkpoint"):
         load_checkpoint(tmp_path / "nothing")
+
+
+def test_resume_flag_continues_the_saved_run(tmp_path):
+    """`python -m chunk_grpo.train --resume DIR --max-steps N`: the saved config is the base,
+    flags override it, and the run carries on from its last checkpoint."""
+    from chunk_grpo.config import ConfigError
+    from chunk_grpo.train import main
+
+    model = tiny_model_dir(tmp_path)
+    first = run(tiny_config(model, tmp_path / "run", max_steps=2, checkpoint_every=1))
+    assert latest_checkpoint(first).name == "step-00000002"
+    resumed = main(["--resume", str(first), "--max-steps", "3"])
+    assert resumed == first
+    assert [r["step"] for r in read_metrics(first / "metrics.jsonl")] == [1, 2, 3]
+    assert load_checkpoint(first, restore_rng=False)["step"] == 3
+    assert "max_steps: 3" in (first / "config.yaml").read_text()
+    with pytest.raises(ConfigError, match="no config.yaml"):
+        main(["--resume", str(tmp_path / "nowhere")])
