@@ -74,7 +74,7 @@ class TrainConfig:
     grad_accum: int = 0  # training calls per optimizer step (0 = all of an iteration)
     ppo_epochs: int = 1  # passes over each batch of rollouts
     optimizer: str = "adamw"  # adamw | adamw8bit
-    lr: float = 1e-4
+    lr: float = 1e-3
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -84,7 +84,7 @@ class TrainConfig:
     lr_schedule: str = "constant"  # constant | cosine
     mixed_precision: str = "no"  # no | bf16
     gradient_checkpointing: bool = False
-    lora_rank: int = 0  # 0 = full fine-tuning
+    lora_rank: int = 8  # 0 = full fine-tuning
     lora_alpha: float | None = None  # None = lora_rank
     lora_targets: list[str] = field(
         default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"]

@@ -26,12 +26,12 @@ def test_flux_preset_has_the_papers_settings():
 def test_cli_overrides_yaml_and_types(tmp_path):
     path, overrides, resume = parse_args(
         ["--config", "x.yaml", "--group-size", "6", "--clip_low", "1e-3", "--chunks", "7,8",
-         "--num-steps", "16", "--cfg-scale", "none", "--shared-noise", "true",
+         "--num-steps", "16", "--sde-window", "0", "--cfg-scale", "none", "--shared-noise", "true",
          "--lora-targets", "to_q,to_v"])
     assert path == "x.yaml" and resume is None
     yml = tmp_path / "x.yaml"
     yml.write_text(yaml.safe_dump({"group_size": 3, "lr": 0.5, "chunks": [2, 3, 4, 6],
-                                  "num_steps": 16}))
+                                  "num_steps": 16, "sde_window": 0}))
     cfg = build_config(yml, overrides)
     assert cfg.group_size == 6 and cfg.lr == 0.5 and cfg.clip_low == 1e-3
     assert cfg.chunks == "7,8" and cfg.cfg_scale is None and cfg.shared_noise is True
@@ -82,12 +82,12 @@ def test_sde_window_sets_the_trained_transitions():
         ({"clip_low": 1.0}, "clip_low must be in"),
         ({"lr": 0.0}, "lr and max_grad_norm must be > 0"),
         ({"ema_decay": 1.0}, "ema_decay must be in"),
-        ({"kl_coef": 0.1, "kl_ref": "reference"}, "needs LoRA"),
+        ({"kl_coef": 0.1, "kl_ref": "reference", "lora_rank": 0}, "needs LoRA"),
         ({"eval_hybrid_steps": -1}, "eval_hybrid_steps must be >= 0"),
         ({"micro_batch_size": 0}, "micro_batch_size must be >= 1"),
         ({"mixed_precision": "fp16"}, "mixed_precision must be one of no, bf16"),
-        ({"chunks": "2,3,4", "num_steps": 16}, "chunks: chunk sizes '2,3,4' sum to 9 but "
-                                                "there are 15"),
+        ({"chunks": "2,3,4", "num_steps": 16, "sde_window": 0},
+         "chunks: chunk sizes '2,3,4' sum to 9 but there are 15"),
         ({"chunks": "big"}, "chunks: chunks must be 'auto', 'step', 'sequence'"),
         ({"sde_window": -1}, "sde_window must be >= 0"),
         ({"chunks": "2,2", "sde_window": 3}, "sum to 4 but there are 3 trained"),
