@@ -83,6 +83,8 @@ class OutputCache:
     """
 
     MIN_BYTES = 1 << 20  # smaller tensors come from the heap, already faulted in
+    # A private torch call (pinned torch); without it the cache stays off.
+    SUPPORTED = hasattr(torch._C, "_storage_Use_Count")
 
     def __init__(self, max_bytes: int = 64 << 20):
         self.max_bytes = max_bytes
@@ -95,8 +97,7 @@ class OutputCache:
         return torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        if nbytes < self.MIN_BYTES or not hasattr(torch._C, "_storage_Use_Count"):
+        if not self.SUPPORTED or math.prod(shape) * dtype.itemsize < self.MIN_BYTES:
             return torch.empty(shape, dtype=dtype)
         with self._lock:
             for key, t in self._tensors.items():
@@ -107,6 +108,8 @@ class OutputCache:
             self._tensors[id(t)] = t
             while sum(c.nbytes for c in self._tensors.values()) > self.max_bytes:
                 self._tensors.popitem(last=False)
+            # Always hand out a view: it is a second reference to the storage, which is what
+            # `_free` counts (the cache's own tensor object would not show up there).
             return t.view(shape)
 
     def held_bytes(self) -> int:
