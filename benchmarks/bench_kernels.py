@@ -3,7 +3,8 @@
     OMP_NUM_THREADS=1 python -m pytest benchmarks/bench_kernels.py
     OMP_NUM_THREADS=2 python -m pytest benchmarks/bench_kernels.py
 
-[7, 2025, 64] is a chunk of 7 timesteps at 720x720; [12, 4096, 64] a group of 12 at 1024x1024.
+[7, 2025, 64] is a chunk of 7 timesteps at 720x720; [12, 4096, 64] a group of 12 at 1024x1024;
+[7, 64, 64] (sde_step_logprob, fp32) measures the fixed per-call cost.
 The eager torch reference is the baseline; the summary table gives the speed-up over it, the
 effective GB/s (counted bytes / median time) beside the copy bandwidth measured in the same
 run, and the peak extra memory in units of one input tensor. The thread count comes from
@@ -27,6 +28,7 @@ import grpo_kernels as gk
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
 SHAPES = [(7, 2025, 64), (12, 4096, 64)]
+TINY = (7, 64, 64)
 DTYPES = [torch.float32, torch.bfloat16]
 BACKENDS = ["reference", "cpu_fused", "triton"]
 LOSS_SHAPES = [(12, 16), (96, 16)]  # one group of 12 / eight groups, 16 trained steps
@@ -71,10 +73,17 @@ def test_copy_bandwidth(benchmark, shape, dtype, kind):
         COPY_GBPS[(tuple(shape), row["dtype"])] = row["gbps"]
 
 
+# The FLUX shapes in both dtypes, plus a tiny one where the compute is negligible: its time
+# is the fixed per-call cost (validation, coefficients, autograd, the ctypes call).
+LOGPROB_CASES = [(shape, dtype) for shape in SHAPES for dtype in DTYPES] + [(TINY, torch.float32)]
+
+
 @pytest.mark.parametrize("mode", ["forward", "backward", "full"])
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize(
+    "shape, dtype", LOGPROB_CASES,
+    ids=["x".join(map(str, s)) + "-" + str(d).split(".")[-1] for s, d in LOGPROB_CASES],
+)
 def test_sde_step_logprob(benchmark, shape, dtype, backend, mode):
     _skip_triton(backend)
     x, v, x_next, _, sigma, sigma_next = _latents(shape, dtype, requires_grad=mode != "forward")

@@ -25,11 +25,13 @@ FIRST_CALL: dict[str, dict] = {}
 
 
 def peak_extra_bytes(fn) -> int:
-    """Peak of (bytes allocated - bytes freed) by torch while `fn()` runs, plus the buffers the
-    fused kernels keep cached for reuse (allocated earlier, so the profiler would not see them)."""
+    """Peak of (bytes allocated - bytes freed) by torch while `fn()` runs. The fused kernels'
+    output cache is emptied first: a buffer they keep for reuse is then allocated inside the
+    window and never freed there, so it counts once, and buffers cached for other shapes or
+    held by earlier results do not count."""
     from grpo_kernels.cpu_fused import OUTPUTS
 
-    cached = OUTPUTS.held_bytes()
+    OUTPUTS.clear()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     deltas = sorted(
@@ -41,7 +43,7 @@ def peak_extra_bytes(fn) -> int:
     for _, delta in deltas:
         current += delta
         peak = max(peak, current)
-    return peak + cached
+    return peak
 
 
 def record(benchmark, *, op, mode, backend, shape, dtype, counted_bytes, input_bytes, peak):

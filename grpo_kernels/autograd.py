@@ -1,7 +1,8 @@
 """Autograd Functions with analytic backward, shared by the "cpu_fused" and "triton" backends.
 
 The SDE log-prob saves only its inputs (no [B, N] temporary): the backward recomputes the
-residual x' - a x - b v in the same fused pass that writes the gradient.
+residual x' - a x - b v in the same fused pass that writes the gradient. Its per-sample
+coefficients come precomputed and cached (sde_coefficients.step_coefficients).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from grpo_kernels import cpu_fused
-from grpo_kernels.sde_coefficients import logprob_affine, sde_coefficients
+from grpo_kernels.sde_coefficients import StepCoefficients
 from grpo_kernels.validation import compute_dtype
 
 
@@ -27,57 +28,73 @@ def _kernels(backend: str):
     return cpu_fused
 
 
-def _coefficients(params, kind, reduction, numel, backend, device):
-    """(a, b, n, alpha, beta) as float64 numpy [B] (cpu_fused) or fp32 tensors (triton)."""
-    a, b, n = sde_coefficients(*params[:3], kind, params[3])
-    coef = (a, b, n, *logprob_affine(n, kind, reduction, numel))
+def _device_rows(coef: StepCoefficients, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Triton reads the coefficients as fp32 tensors [B] on the latents' device."""
+    # torch.tensor copies: the cached table is read-only, which torch.from_numpy warns about.
+    return torch.tensor(coef.table32, device=device).unbind(0)
+
+
+def _logprob_forward(x, v, x_next, coef, backend):
+    """logp [B] in the compute dtype, without autograd."""
     if backend == "triton":
-        coef = tuple(torch.from_numpy(c).to(device=device, dtype=torch.float32) for c in coef)
-    return coef
+        a, b, _, alpha, beta = _device_rows(coef, x.device)
+        logp = _kernels(backend).sde_logprob_fwd(_flat(x), _flat(v), _flat(x_next), a, b,
+                                                 alpha, beta)
+    else:
+        logp = cpu_fused.sde_logprob_fwd(x, v, x_next, coef)
+    dtype = compute_dtype(x, v, x_next)
+    return logp if logp.dtype == dtype else logp.to(dtype)
+
+
+def _triton_backward(x, v, x_next, coef, grad_logp, want):
+    a, b, _, alpha, _ = _device_rows(coef, x.device)
+    scale = 2 * alpha * grad_logp.to(torch.float32)  # d logp / d x' = 2 alpha (x' - m)
+    grads = _kernels("triton").sde_logprob_bwd(_flat(x), _flat(v), _flat(x_next), a, b, scale,
+                                               *want)
+    return tuple(None if g is None else g.reshape(like.shape)
+                 for g, like in zip(grads, (x, v, x_next), strict=True))
 
 
 class SdeStepLogprobFunction(torch.autograd.Function):
     """logp[i] = alpha[i] * sum_k (x'[i,k] - a[i] x[i,k] - b[i] v[i,k])^2 + beta[i].
 
-    params: checked (sigma, sigma_next, eta, sigma_max) float64 numpy arrays [B] (constants).
+    coef: the step's StepCoefficients (constants, no gradient).
     """
 
     @staticmethod
-    def forward(ctx, x, v, x_next, params, kind, reduction, backend):
-        a, b, _, alpha, beta = _coefficients(params, kind, reduction, x[0].numel(), backend,
-                                             x.device)
-        x2, v2, xn2 = _flat(x), _flat(v), _flat(x_next)
-        logp = _kernels(backend).sde_logprob_fwd(x2, v2, xn2, a, b, alpha, beta)
-        if logp.dtype != compute_dtype(x, v, x_next):
-            logp = logp.to(compute_dtype(x, v, x_next))
+    def forward(ctx, x, v, x_next, coef, backend):
         ctx.save_for_backward(x, v, x_next)
-        ctx.coef, ctx.backend = (a, b, alpha), backend
-        return logp
+        ctx.coef, ctx.backend = coef, backend
+        return _logprob_forward(x, v, x_next, coef, backend)
 
     @staticmethod
     def backward(ctx, grad_logp):
         x, v, x_next = ctx.saved_tensors
-        a, b, alpha = ctx.coef
         want = tuple(ctx.needs_input_grad[:3])
-        x2, v2, xn2 = _flat(x), _flat(v), _flat(x_next)
         if ctx.backend == "triton":
-            grad = grad_logp.to(torch.float32)
+            grads = _triton_backward(x, v, x_next, ctx.coef, grad_logp, want)
         else:
-            grad = grad_logp.detach().to("cpu", torch.float64).numpy()
-        scale = 2 * alpha * grad  # d logp / d x' = 2 alpha (x' - m)
-        grads = _kernels(ctx.backend).sde_logprob_bwd(x2, v2, xn2, a, b, scale, *want)
-        grads = [None if g is None else g.reshape(like.shape)
-                 for g, like in zip(grads, (x, v, x_next), strict=True)]
-        return (*grads, None, None, None, None)
+            grads = cpu_fused.sde_logprob_bwd(x, v, x_next, ctx.coef, grad_logp, *want)
+        return (*grads, None, None)
 
 
-def sde_sample_fused(x, v, noise, params, kind, backend):
+def sde_logprob_fused(x, v, x_next, coef, backend):
+    """The fused log-prob; autograd's Function only when a gradient can flow (rollouts and
+    no_grad evaluation skip its per-call cost)."""
+    if torch.is_grad_enabled() and (x.requires_grad or v.requires_grad or x_next.requires_grad):
+        return SdeStepLogprobFunction.apply(x, v, x_next, coef, backend)
+    return _logprob_forward(x, v, x_next, coef, backend)
+
+
+def sde_sample_fused(x, v, noise, coef, backend):
     """x' = m + n * eps in x's dtype, without autograd (a rollout step)."""
-    a, b, n, _, _ = _coefficients(params, kind, "mean", x[0].numel(), backend, x.device)
-    x2, v2, e2 = _flat(x.detach()), _flat(v.detach()), _flat(noise)
+    x, v = x.detach(), v.detach()
     with torch.no_grad():
-        out = _kernels(backend).sde_sample(x2, v2, e2, a, b, n)
-    return out.reshape(x.shape)
+        if backend == "triton":
+            a, b, n, _, _ = _device_rows(coef, x.device)
+            out = _kernels(backend).sde_sample(_flat(x), _flat(v), _flat(noise), a, b, n)
+            return out.reshape(x.shape)
+        return cpu_fused.sde_sample(x, v, noise, coef)
 
 
 def _chunk_index(chunk_sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:

@@ -7,8 +7,8 @@ $GRPO_KERNELS_CACHE) and called through ctypes. It takes fp32 or bf16 latents; o
 are converted to fp32 first, and float64 (gradcheck) runs the same formulas in eager torch.
 Without a working C compiler every call runs the eager torch version (a warning says so).
 
-Interface as triton_kernels: contiguous [B, N] latents; the [B] coefficients come as float64
-numpy arrays (computed on the host, see sde_coefficients.py).
+Latents come as [B, ...] tensors; the [B] coefficients as a cached StepCoefficients (computed
+on the host, see sde_coefficients.py), whose fp32 / float64 tables the C code reads directly.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from grpo_kernels.sde_coefficients import ALPHA, BETA, A, B, N, StepCoefficients
 
 SOURCE = Path(__file__).with_name("csrc") / "sde_step.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
@@ -125,30 +127,37 @@ class OutputCache:
 OUTPUTS = OutputCache()
 
 
-def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr() if t is not None else None)
+_PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
+_ARGTYPES = {  # declared once, so a call passes plain ints (no ctypes objects per argument)
+    "sde_logprob_fwd": [_PTR] * 8 + [_I64] * 2,  # x, v, x', a, b, alpha, beta, logp; rows, n
+    # x, v, x', a, b, alpha (float64), g, g's stride, gx, gv, gx'; rows, n
+    "sde_logprob_bwd": [_PTR] * 7 + [_I64] + [_PTR] * 3 + [_I64] * 2,
+    "sde_sample": [_PTR] * 7 + [_I64] * 2,  # x, v, eps, a, b, n, out; rows, n
+}
 
 
-def _coef_ptrs(*coefs: np.ndarray) -> tuple[np.ndarray, list[ctypes.c_void_p]]:
-    """One fp32 block holding every [B] coefficient, and a pointer to each row of it.
-    The caller keeps the block alive until the C call returns."""
-    block = np.ascontiguousarray(np.stack(coefs), dtype=np.float32)
-    base, row = block.ctypes.data, block.shape[1] * 4
-    return block, [ctypes.c_void_p(base + i * row) for i in range(len(coefs))]
+@functools.cache
+def _kernel(name: str):
+    """The library's function `name` (e.g. "sde_sample_f32"), its signature declared."""
+    fn = getattr(library(), name)
+    fn.argtypes, fn.restype = _ARGTYPES[name.rsplit("_", 1)[0]], None
+    return fn
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def _torch(c: np.ndarray, like: torch.Tensor) -> torch.Tensor:
     """Coefficients for the eager path, in its compute dtype (fp64 for fp64 inputs)."""
     dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
-    return torch.from_numpy(np.asarray(c)).to(dtype)
+    return torch.tensor(c, dtype=dtype)  # a copy: cached coefficient arrays are read-only
 
 
 def _native(*tensors: torch.Tensor) -> tuple[str | None, tuple[torch.Tensor, ...]]:
-    """(C suffix, tensors in its dtype) or (None, ...) when the eager path must run."""
-    if any(t.device.type != "cpu" for t in tensors) or library() is None:
-        return None, tensors
+    """(C suffix, contiguous tensors in its dtype) or (None, ...) when the eager path runs."""
     dtype = tensors[0].dtype
-    if dtype == torch.float64:
+    if not all(t.is_cpu for t in tensors) or library() is None or dtype == torch.float64:
         return None, tensors
     if dtype not in _SUFFIX or any(t.dtype != dtype for t in tensors):
         tensors = tuple(t.float() for t in tensors)  # fp16 or mixed dtypes: one conversion
@@ -156,64 +165,71 @@ def _native(*tensors: torch.Tensor) -> tuple[str | None, tuple[torch.Tensor, ...
     return _SUFFIX[dtype], tuple(t.contiguous() for t in tensors)
 
 
-def _residual(x, v, x_next, a, b):
-    """x' - m, m = a x + b v, in the compute dtype (the eager fallback)."""
-    a, b = _torch(a, x), _torch(b, x)
-    dtype = a.dtype
-    return x_next.to(dtype) - a[:, None] * x.to(dtype) - b[:, None] * v.to(dtype)
+def _residual(x, v, x_next, coef: StepCoefficients):
+    """x' - m, m = a x + b v, as [B, N] in the compute dtype (the eager fallback)."""
+    a, b = _torch(coef.row(A), x), _torch(coef.row(B), x)
+    x, v, x_next = (t.reshape(t.shape[0], -1).to(a.dtype) for t in (x, v, x_next))
+    return x_next - a[:, None] * x - b[:, None] * v
 
 
-def sde_logprob_fwd(x, v, x_next, a, b, alpha, beta):
-    """logp [B] = alpha * sum_k (x' - a x - b v)^2 + beta, one pass over the latents."""
+def sde_logprob_fwd(x, v, x_next, coef: StepCoefficients) -> torch.Tensor:
+    """logp [B] = alpha * sum_k (x' - a x - b v)^2 + beta over [B, ...] latents, one pass."""
     suffix, (x, v, x_next) = _native(x, v, x_next)
     if suffix is None:
-        d = _residual(x, v, x_next, a, b)
-        return _torch(alpha, x) * (d * d).sum(dim=1) + _torch(beta, x)
-    rows, n = x.shape
+        d = _residual(x, v, x_next, coef)
+        return _torch(coef.row(ALPHA), x) * (d * d).sum(dim=1) + _torch(coef.row(BETA), x)
+    rows = x.shape[0]
     logp = torch.empty(rows, dtype=torch.float32)
-    _block, coef = _coef_ptrs(a, b, alpha, beta)
-    getattr(library(), f"sde_logprob_fwd_{suffix}")(
-        _ptr(x), _ptr(v), _ptr(x_next), *coef, _ptr(logp),
-        ctypes.c_int64(rows), ctypes.c_int64(n),
+    _kernel(f"sde_logprob_fwd_{suffix}")(
+        x.data_ptr(), v.data_ptr(), x_next.data_ptr(),
+        *(coef.address32(i) for i in (A, B, ALPHA, BETA)), logp.data_ptr(),
+        rows, x.numel() // rows,
     )
     return logp
 
 
-def sde_logprob_bwd(x, v, x_next, a, b, scale, want_x, want_v, want_next):
-    """Gradients of sum_i g[i] logp[i], scale = 2 alpha g: d/dx' = scale (x' - m),
-    d/dx = -a scale (x' - m), d/dv = -b scale (x' - m); one pass writes all requested."""
-    like = (x, v, x_next)
+def _eager_bwd(x, v, x_next, coef, grad_logp, wants):
+    """The backward in eager torch (no compiler, or float64): the same float64 scales."""
+    a, b = coef.row(A), coef.row(B)
+    scale = 2 * coef.row(ALPHA) * grad_logp.detach().to("cpu", torch.float64).numpy()
+    d = _residual(x, v, x_next, coef)
+    return [(_torch(s, x)[:, None] * d).reshape(like.shape) if want else None
+            for s, want, like in zip((-a * scale, -b * scale, scale), wants, (x, v, x_next),
+                                     strict=True)]
+
+
+def sde_logprob_bwd(x, v, x_next, coef: StepCoefficients, grad_logp, want_x, want_v, want_next):
+    """Gradients of sum_i g[i] logp[i] for [B, ...] latents, scale = 2 alpha g: d/dx' =
+    scale (x' - m), d/dx = -a scale (x' - m), d/dv = -b scale (x' - m); one pass writes all
+    requested. The kernel forms the scales from g itself, in float64 as the eager path does."""
+    like, wants = (x, v, x_next), (want_x, want_v, want_next)
     suffix, (x, v, x_next) = _native(x, v, x_next)
     if suffix is None:
-        d = _residual(x, v, x_next, a, b)
-        grads = [(_torch(s, x)[:, None] * d) if want else None
-                 for s, want in ((-a * scale, want_x), (-b * scale, want_v), (scale, want_next))]
+        grads = _eager_bwd(x, v, x_next, coef, grad_logp, wants)
     else:
-        rows, n = x.shape
-        grads = [OUTPUTS.empty(x.shape, x.dtype) if want else None
-                 for want in (want_x, want_v, want_next)]
-        _block, coef = _coef_ptrs(a, b, -a * scale, -b * scale, scale)
-        getattr(library(), f"sde_logprob_bwd_{suffix}")(
-            _ptr(x), _ptr(v), _ptr(x_next), *coef, *map(_ptr, grads),
-            ctypes.c_int64(rows), ctypes.c_int64(n),
+        rows = x.shape[0]
+        grad = grad_logp.to(torch.float32)  # often stride 0 (the backward of .sum()): kept
+        grads = [OUTPUTS.empty(x.shape, x.dtype) if want else None for want in wants]
+        _kernel(f"sde_logprob_bwd_{suffix}")(
+            x.data_ptr(), v.data_ptr(), x_next.data_ptr(),
+            *(coef.address64(i) for i in (A, B, ALPHA)), grad.data_ptr(), grad.stride(0),
+            *map(_ptr, grads), rows, x.numel() // rows,
         )
     return tuple(None if g is None else g.to(t.dtype) for g, t in zip(grads, like, strict=True))
 
 
-def sde_sample(x, v, noise, a, b, n):
-    """x' = a x + b v + n eps, stored in x's dtype."""
+def sde_sample(x, v, noise, coef: StepCoefficients) -> torch.Tensor:
+    """x' = a x + b v + n eps for [B, ...] latents, stored in x's dtype."""
     out_dtype = x.dtype
     suffix, (x, v, noise) = _native(x, v, noise)
     if suffix is None:
-        a, b, n = (_torch(c, x) for c in (a, b, n))
-        dtype = a.dtype
-        out = a[:, None] * x.to(dtype) + b[:, None] * v.to(dtype) + n[:, None] * noise.to(dtype)
-        return out.to(out_dtype)
-    rows, numel = x.shape
+        a, b, n = (_torch(coef.row(i), x)[:, None] for i in (A, B, N))
+        x2, v2, e2 = (t.reshape(t.shape[0], -1).to(a.dtype) for t in (x, v, noise))
+        return (a * x2 + b * v2 + n * e2).reshape(x.shape).to(out_dtype)
+    rows = x.shape[0]
     out = OUTPUTS.empty(x.shape, x.dtype)
-    _block, coef = _coef_ptrs(a, b, n)
-    getattr(library(), f"sde_sample_{suffix}")(
-        _ptr(x), _ptr(v), _ptr(noise), *coef, _ptr(out),
-        ctypes.c_int64(rows), ctypes.c_int64(numel),
+    _kernel(f"sde_sample_{suffix}")(
+        x.data_ptr(), v.data_ptr(), noise.data_ptr(),
+        *(coef.address32(i) for i in (A, B, N)), out.data_ptr(), rows, x.numel() // rows,
     )
     return out.to(out_dtype)

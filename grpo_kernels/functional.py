@@ -13,14 +13,16 @@ from collections.abc import Sequence
 import torch
 
 from grpo_kernels import reference
+from grpo_kernels.autograd import chunk_grpo_loss_fused, sde_logprob_fused, sde_sample_fused
+from grpo_kernels.sde_coefficients import StepCoefficients, step_coefficients
 from grpo_kernels.validation import (
     check_backend,
     check_chunk_loss_args,
     check_latents,
-    check_sde_args,
     check_sde_kind,
     compute_dtype,
     per_sample,
+    step_values,
 )
 
 
@@ -37,20 +39,28 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
     return backend
 
 
-def _step_params(x, sigma, sigma_next, eta, sigma_max):
-    """float64 numpy arrays [B] (sigma, sigma_next, eta, sigma_max); sigma_max NaN when not
-    given (it only matters for kind="flow" where sigma == 1)."""
+def _step_coefficients(x, sigma, sigma_next, eta, sigma_max, kind, reduction, backend):
+    """(backend, checked StepCoefficients), cached per distinct step values. The checks keep
+    their order: argument types and shapes, then the backend name, then the values."""
     batch, device = x.shape[0], x.device
-    sigma_max = float("nan") if sigma_max is None else sigma_max
-    return tuple(
-        per_sample(value, name, batch, device)
-        for value, name in ((sigma, "sigma"), (sigma_next, "sigma_next"), (eta, "eta"),
-                            (sigma_max, "sigma_max"))
-    )
+    values = [step_values(value, name, batch, device)
+              for value, name in ((sigma, "sigma"), (sigma_next, "sigma_next"), (eta, "eta"))]
+    values.append(None if sigma_max is None else step_values(sigma_max, "sigma_max", batch, device))
+    backend = resolve_backend(backend, device)
+    numel = x.numel() // batch
+    return backend, step_coefficients(kind, reduction, numel, batch, *values)
 
 
 def _as_tensors(params, device, dtype):
-    return tuple(torch.from_numpy(p).to(device=device, dtype=dtype) for p in params)
+    # torch.tensor copies: the cached arrays are read-only, which torch.from_numpy warns about.
+    return tuple(torch.tensor(p, device=device, dtype=dtype) for p in params)
+
+
+def _logprob(x, v, x_next, coef: StepCoefficients, kind, reduction, backend):
+    if backend == "reference":
+        params = _as_tensors(coef.params, x.device, compute_dtype(x, v, x_next))
+        return reference.sde_step_logprob_reference(x, v, x_next, *params, kind, reduction)
+    return sde_logprob_fused(x, v, x_next, coef, backend)
 
 
 def sde_step_logprob(
@@ -75,15 +85,9 @@ def sde_step_logprob(
     """
     check_latents(check_nan=check, x=x, v=v, x_next=x_next)
     check_sde_kind(kind, reduction)
-    params = _step_params(x, sigma, sigma_next, eta, sigma_max)
-    backend = resolve_backend(backend, x.device)
-    check_sde_args(kind, *params)
-    if backend == "reference":
-        params = _as_tensors(params, x.device, compute_dtype(x, v, x_next))
-        return reference.sde_step_logprob_reference(x, v, x_next, *params, kind, reduction)
-    from grpo_kernels.autograd import SdeStepLogprobFunction
-
-    return SdeStepLogprobFunction.apply(x, v, x_next, params, kind, reduction, backend)
+    backend, coef = _step_coefficients(x, sigma, sigma_next, eta, sigma_max, kind, reduction,
+                                       backend)
+    return _logprob(x, v, x_next, coef, kind, reduction, backend)
 
 
 def sde_step_sample(
@@ -105,22 +109,16 @@ def sde_step_sample(
     """
     check_latents(x=x, v=v, noise=noise)
     check_sde_kind(kind)
-    params = _step_params(x, sigma, sigma_next, eta, sigma_max)
-    backend = resolve_backend(backend, x.device)
-    check_sde_args(kind, *params)
+    backend, coef = _step_coefficients(x, sigma, sigma_next, eta, sigma_max, kind, "mean",
+                                       backend)
     if backend == "reference":
         with torch.no_grad():
-            tensors = _as_tensors(params, x.device, compute_dtype(x, v))
+            tensors = _as_tensors(coef.params, x.device, compute_dtype(x, v))
             x_next = reference.sde_step_sample_reference(x, v, noise, *tensors, kind)[0]
     else:
-        from grpo_kernels.autograd import sde_sample_fused
-
-        x_next = sde_sample_fused(x, v, noise, params, kind, backend)
-    sigma, sigma_next, eta, sigma_max = params
-    logp = sde_step_logprob(
-        x, v, x_next, sigma, sigma_next, eta=eta, kind=kind, sigma_max=sigma_max, backend=backend
-    )
-    return x_next, logp
+        x_next = sde_sample_fused(x, v, noise, coef, backend)
+    # The same coefficients and code path as sde_step_logprob on these inputs: bit-identical.
+    return x_next, _logprob(x, v, x_next, coef, kind, "mean", backend)
 
 
 def ode_step(
@@ -189,8 +187,6 @@ def chunk_grpo_loss(
             logp_new, logp_old, advantages, chunk_sizes, chunk_mask,
             clip_low, clip_high, adv_clip_max, kl_coef,
         )
-    from grpo_kernels.autograd import chunk_grpo_loss_fused
-
     return chunk_grpo_loss_fused(
         logp_new, logp_old, advantages, chunk_sizes, chunk_mask,
         clip_low, clip_high, adv_clip_max, kl_coef, backend,

@@ -5,13 +5,18 @@ affine function of S = sum((x' - a*x - b*v)^2): logp = alpha * S + beta. Kernels
 never form m. The algebra below is DESIGN.md's formulas expanded (the reference keeps them as
 written; the tests check the two agree). Arguments are float64 numpy arrays [B]: a few dozen
 scalar ops cost microseconds in numpy, against ~10 us per op for tiny torch tensors.
+`step_coefficients` checks and computes them once per distinct set of step values (cached).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import NamedTuple
 
 import numpy as np
+
+from grpo_kernels.validation import broadcast, check_sde_args
 
 
 def sde_coefficients(
@@ -60,3 +65,59 @@ def logprob_affine(
     if reduction == "mean":
         return alpha / numel, beta
     return alpha, beta * numel
+
+
+# Rows of StepCoefficients.table64 / table32.
+A, B, N, ALPHA, BETA = range(5)
+
+
+class StepCoefficients(NamedTuple):
+    """One step's checked parameters and coefficients, shared by every call with the same
+    values (see step_coefficients): all arrays are read-only."""
+
+    params: tuple[np.ndarray, ...]  # sigma, sigma_next, eta, sigma_max: float64 [B]
+    table64: np.ndarray  # float64 [5, B]: rows a, b, n, alpha, beta
+    table32: np.ndarray  # the same rounded to fp32: what the C kernels read
+    base64: int  # addresses of the tables, read once (numpy's .ctypes costs ~1 us a call)
+    base32: int
+
+    def row(self, index: int) -> np.ndarray:
+        return self.table64[index]
+
+    def address64(self, index: int) -> int:
+        """Address of a float64 row, for ctypes (valid while this object lives)."""
+        return self.base64 + index * self.table64.strides[0]
+
+    def address32(self, index: int) -> int:
+        return self.base32 + index * self.table32.strides[0]
+
+
+@functools.lru_cache(maxsize=256)
+def step_coefficients(
+    kind: str,
+    reduction: str,
+    numel: int,
+    batch: int,
+    sigma: tuple[float, ...],
+    sigma_next: tuple[float, ...],
+    eta: tuple[float, ...],
+    sigma_max: tuple[float, ...] | None,
+) -> StepCoefficients:
+    """Check the step parameters (validation.step_values tuples) and compute every
+    coefficient, once per distinct set of values.
+
+    The key is the values themselves, never a tensor's identity, so a tensor changed in place
+    gets fresh coefficients. A rollout or training step repeats a handful of (sigma,
+    sigma_next) pairs, so hits skip the checks and the numpy algebra (~25 us a call). Invalid
+    values raise each time: lru_cache does not store exceptions.
+    """
+    # + 0.0: -0.0 and 0.0 share a key, so compute with 0.0 whichever came first.
+    params = tuple(broadcast(values, batch) + 0.0
+                   for values in (sigma, sigma_next, eta, sigma_max))
+    check_sde_args(kind, *params)
+    a, b, n = sde_coefficients(*params[:3], kind, params[3])
+    table64 = np.stack((a, b, n, *logprob_affine(n, kind, reduction, numel)))
+    table32 = table64.astype(np.float32)
+    for array in (*params, table64, table32):
+        array.setflags(write=False)
+    return StepCoefficients(params, table64, table32, table64.ctypes.data, table32.ctypes.data)

@@ -39,34 +39,51 @@ def check_latents(check_nan: bool = False, **tensors: torch.Tensor) -> None:
             raise ValueError(f"{name} contains NaN or Inf")
 
 
-def per_sample(
-    value: float | torch.Tensor, name: str, batch: int, device: torch.device
-) -> np.ndarray:
-    """A Python number, a 0-d tensor or a [B] tensor -> a float64 numpy array [B].
+def step_values(
+    value: float | torch.Tensor | np.ndarray, name: str, batch: int, device: torch.device
+) -> tuple[float, ...]:
+    """A Python number, a 0-d / [1] tensor or a [B] tensor -> its checked values as Python
+    floats: one for a scalar, B for per-sample values.
 
-    Step parameters are tiny, so they are checked and turned into coefficients on the host.
+    Floats convert exactly from any float dtype, and a tuple of them hashes in well under a
+    microsecond, so these tuples key the coefficient cache (sde_coefficients.py).
     """
     if isinstance(value, bool):
         raise ValueError(f"{name} must be a number or tensor, got a bool")
     if isinstance(value, (int, float)):
-        return np.full(batch, float(value))
+        return (float(value),)
     if isinstance(value, np.ndarray) and value.shape == (batch,):
-        return value.astype(np.float64, copy=False)
+        return tuple(value.astype(np.float64, copy=False).tolist())
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"{name} must be a float or a tensor, got {type(value).__name__}")
     if not value.is_floating_point():
         raise ValueError(f"{name} must have a floating dtype, got {value.dtype}")
     if value.device != device:
         raise ValueError(f"{name} is on {value.device} but the latents are on {device}")
-    host = value.detach().to("cpu", torch.float64).numpy()
-    if host.ndim == 0 or host.shape == (1,):
-        return np.full(batch, float(host.reshape(-1)[0]))
-    if host.shape != (batch,):
+    if value.dim() == 0 or value.shape == (1,):
+        return (float(value.reshape(())),)
+    if value.shape != (batch,):
         raise ValueError(
             f"{name} must be a scalar or a tensor of shape [{batch}] (one per sample), "
             f"got shape {tuple(value.shape)}"
         )
-    return host
+    return tuple(value.tolist())
+
+
+def broadcast(values: tuple[float, ...] | None, batch: int) -> np.ndarray:
+    """step_values' tuple -> a float64 numpy array [B]; None (not given) -> NaN."""
+    if values is None:
+        return np.full(batch, np.nan)
+    if len(values) == 1:
+        return np.full(batch, values[0])
+    return np.array(values, dtype=np.float64)
+
+
+def per_sample(
+    value: float | torch.Tensor, name: str, batch: int, device: torch.device
+) -> np.ndarray:
+    """A Python number, a 0-d tensor or a [B] tensor -> a checked float64 numpy array [B]."""
+    return broadcast(step_values(value, name, batch, device), batch)
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:

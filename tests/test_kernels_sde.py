@@ -301,8 +301,9 @@ def test_sample_bad_input():
 
 
 def test_fused_cpu_is_bit_identical_for_any_thread_count():
-    # N = 40000 spans three 16384-element blocks: partial sums are added in block order.
-    x, v, x_next, sigma, sigma_next = _inputs((3, 40000), seed=8)
+    # N = 90000 spans six 16384-element blocks: partial sums are added in block order. 3 x N
+    # is above the C code's PARALLEL_MIN, so two threads really split the work.
+    x, v, x_next, sigma, sigma_next = _inputs((3, 90000), seed=8)
     threads = torch.get_num_threads()
     out = []
     try:
@@ -380,3 +381,88 @@ def test_cached_outputs_never_alias_a_live_result():
     cached = {t.data_ptr() for t in cpu_fused.OUTPUTS._tensors.values()}
     assert grad(1.0).data_ptr() in cached  # every earlier result is gone: a buffer is reused
     cpu_fused.OUTPUTS.clear()
+
+
+def _logp_and_grad_v(x, v, x_next, sigma, sigma_next, **kwargs):
+    v = v.detach().clone().requires_grad_()
+    logp = gk.sde_step_logprob(x, v, x_next, sigma, sigma_next, eta=0.7, sigma_max=SIGMA_MAX,
+                               **kwargs)
+    return logp, torch.autograd.grad(logp.sum(), v)[0]
+
+
+def test_coefficient_cache_hit_equals_miss():
+    from grpo_kernels.sde_coefficients import step_coefficients
+
+    x, v, x_next, sigma, sigma_next = _inputs((3, 4, 5))
+    step_coefficients.cache_clear()
+    miss = _logp_and_grad_v(x, v, x_next, sigma, sigma_next)
+    assert step_coefficients.cache_info().misses == 1
+    hit = _logp_and_grad_v(x, v, x_next, sigma.clone(), sigma_next.clone())  # equal values
+    assert step_coefficients.cache_info().hits >= 1
+    for a, b in zip(miss, hit, strict=True):
+        assert torch.equal(a, b)
+    # The cached entry holds exactly what an uncached computation gives, and is read-only.
+    key = ("flow", "mean", 20, 3, tuple(sigma.tolist()), tuple(sigma_next.tolist()), (0.7,),
+           (SIGMA_MAX,))
+    cached, fresh = step_coefficients(*key), step_coefficients.__wrapped__(*key)
+    assert (cached.table64 == fresh.table64).all() and (cached.table32 == fresh.table32).all()
+    with pytest.raises(ValueError, match="read-only"):
+        cached.table64[0, 0] = 1.0
+
+
+def test_coefficient_cache_never_returns_stale_values():
+    x, v, x_next, sigma, sigma_next = _inputs((3, 4, 5))
+    before = _logp_and_grad_v(x, v, x_next, sigma, sigma_next)
+    sigma_next.sub_(0.01)  # the same tensor object, changed in place
+    after = _logp_and_grad_v(x, v, x_next, sigma, sigma_next)
+    want = _logp_and_grad_v(x, v, x_next, sigma, sigma_next, backend="reference")
+    assert not torch.equal(before[0], after[0])
+    for got, ref in zip(after, want, strict=True):
+        _close(got, ref, rtol=1e-5)
+    # Every other part of the key matters too: kind, reduction, eta, sigma_max, latent size.
+    base = gk.sde_step_logprob(x, v, x_next, sigma, sigma_next, eta=0.7, sigma_max=SIGMA_MAX)
+    for kwargs in (dict(kind="dance"), dict(reduction="sum"), dict(eta=0.8),
+                   dict(sigma_max=0.9)):
+        args = dict(eta=0.7, sigma_max=SIGMA_MAX) | kwargs
+        other = gk.sde_step_logprob(x, v, x_next, sigma, sigma_next, **args)
+        ref = gk.sde_step_logprob(x, v, x_next, sigma, sigma_next, backend="reference", **args)
+        assert not torch.equal(other, base)
+        _close(other, ref, rtol=1e-5)
+    wider = [torch.cat([t, t], dim=2) for t in (x, v, x_next)]  # same sigmas, N doubled
+    ref = gk.sde_step_logprob(*wider, sigma, sigma_next, eta=0.7, sigma_max=SIGMA_MAX,
+                              backend="reference")
+    _close(gk.sde_step_logprob(*wider, sigma, sigma_next, eta=0.7, sigma_max=SIGMA_MAX), ref,
+           rtol=1e-5)
+
+
+def test_coefficient_cache_keeps_no_invalid_entry_and_is_bounded():
+    from grpo_kernels.sde_coefficients import step_coefficients
+
+    x, v, x_next, _, _ = _inputs((2, 3, 4))
+    for _ in range(2):  # raised on every call, never served from the cache
+        with pytest.raises(ValueError, match="sigma_next must satisfy"):
+            gk.sde_step_logprob(x, v, x_next, 0.5, 0.6, eta=0.7)
+    for i in range(step_coefficients.cache_info().maxsize + 10):
+        gk.sde_step_logprob(x, v, x_next, 0.5, 0.4 - i * 1e-4, eta=0.7, kind="dance")
+    info = step_coefficients.cache_info()
+    assert info.currsize == info.maxsize
+
+
+def test_coefficient_cache_signed_zero_gives_one_result():
+    # -0.0 == 0.0 share a cache key: the result must not depend on which one came first.
+    from grpo_kernels.sde_coefficients import step_coefficients
+
+    key = ("cps_mse", "mean", 4, 1, (0.5,), (0.0,), (0.7,), None)
+    negative = key[:5] + ((-0.0,),) + key[6:]
+    fresh = [step_coefficients.__wrapped__(*k).table64 for k in (key, negative)]
+    assert fresh[0].tobytes() == fresh[1].tobytes()
+
+
+def test_backward_of_sum_equals_explicit_ones():
+    # .sum()'s backward hands over an expanded (stride 0) gradient: read in place, not copied.
+    x, v, x_next, sigma, sigma_next = _inputs((3, 40000), seed=10)
+    v = v.requires_grad_()
+    logp = gk.sde_step_logprob(x, v, x_next, sigma, sigma_next, eta=0.7, sigma_max=SIGMA_MAX)
+    (expanded,) = torch.autograd.grad(logp.sum(), v, retain_graph=True)
+    (explicit,) = torch.autograd.grad(logp, v, torch.ones(3))
+    assert torch.equal(expanded, explicit)

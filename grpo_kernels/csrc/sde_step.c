@@ -1,9 +1,11 @@
 /* Fused CPU kernels for one SDE step of a flow-matching policy (see grpo_kernels/cpu_fused.py).
  *
- * Latents are contiguous [B, N] rows of fp32 or bf16; per-sample coefficients are fp32 [B]:
+ * Latents are contiguous [B, N] rows of fp32 or bf16; per-sample coefficients are fp32 [B]
+ * (float64 in the backward, which forms its scales from them):
  * mean m = a x + b v (never stored), x' = m + n eps, logp = alpha * sum (x' - m)^2 + beta.
- * Work is split into fixed blocks of BLOCK elements (static OpenMP schedule), and partial sums
- * are added in block order, so results are bit-identical for any thread count.
+ * Work is split into fixed blocks of BLOCK elements (static OpenMP schedule: each thread takes
+ * one contiguous run of blocks), and partial sums are added in block order, so results are
+ * bit-identical for any thread count.
  */
 #include <math.h>
 #include <stdint.h>
@@ -12,6 +14,10 @@
 
 #define BLOCK 16384
 #define LANES 16
+/* Below this many elements per input (~30 us of work on one core) one thread does it all:
+ * waking a sleeping OpenMP worker costs about as much as the split would save, and on shared
+ * cores a descheduled worker stalls the whole region (~8 ms measured here under load). */
+#define PARALLEL_MIN (1 << 18)
 
 static inline float load_f32(const float *p, int64_t i) { return p[i]; }
 static inline void store_f32(float *p, int64_t i, float f) { p[i] = f; }
@@ -38,7 +44,7 @@ void sde_logprob_fwd_##SUFFIX(const T *x, const T *v, const T *xn, const float *
                               float *logp, int64_t rows, int64_t n) {                          \
     int64_t blocks = (n + BLOCK - 1) / BLOCK;                                                  \
     double *partial = malloc(sizeof(double) * rows * blocks);                                  \
-    _Pragma("omp parallel for schedule(static)")                                               \
+    _Pragma("omp parallel for schedule(static) if (rows * n >= PARALLEL_MIN)")                 \
     for (int64_t task = 0; task < rows * blocks; task++) {                                     \
         int64_t row = task / blocks, start = (task % blocks) * BLOCK;                          \
         int64_t stop = start + BLOCK < n ? start + BLOCK : n;                                  \
@@ -69,29 +75,34 @@ void sde_logprob_fwd_##SUFFIX(const T *x, const T *v, const T *xn, const float *
     free(partial);                                                                             \
 }                                                                                              \
                                                                                                \
-/* g_t[i,k] = s_t[i] * (x'[i,k] - a[i] x[i,k] - b[i] v[i,k]) for each requested output t. */  \
-void sde_logprob_bwd_##SUFFIX(const T *x, const T *v, const T *xn, const float *a,             \
-                              const float *b, const float *sx, const float *sv,                \
-                              const float *sn, T *gx, T *gv, T *gn, int64_t rows, int64_t n) { \
+/* Gradients of sum_i g[i] logp[i]: with scale = 2 alpha[i] g[i] and d = x' - a x - b v,   \
+ * gx = -a scale d, gv = -b scale d, gx' = scale d, for each requested (non-NULL) output.     \
+ * The scales are formed in double from the double coefficients, then rounded to float.     \
+ * g is read with a stride (0 for the backward of a .sum()). */                              \
+void sde_logprob_bwd_##SUFFIX(const T *x, const T *v, const T *xn, const double *a,            \
+                              const double *b, const double *alpha, const float *g,            \
+                              int64_t g_stride, T *gx, T *gv, T *gn, int64_t rows, int64_t n) { \
     int64_t blocks = (n + BLOCK - 1) / BLOCK;                                                  \
-    _Pragma("omp parallel for schedule(static)")                                               \
+    _Pragma("omp parallel for schedule(static) if (rows * n >= PARALLEL_MIN)")                 \
     for (int64_t task = 0; task < rows * blocks; task++) {                                     \
         int64_t row = task / blocks, start = (task % blocks) * BLOCK;                          \
         int64_t stop = start + BLOCK < n ? start + BLOCK : n;                                  \
-        const float ar = a[row], br = b[row];                                                  \
+        const double scale = 2.0 * alpha[row] * (double)g[row * g_stride];                     \
+        const float ar = (float)a[row], br = (float)b[row];                                    \
+        const float sx = (float)(-a[row] * scale), sv = (float)(-b[row] * scale);              \
+        const float sn = (float)scale;                                                         \
         const int64_t off = row * n;                                                           \
         if (gv && !gx && !gn) { /* the common case: gradient to the velocity only */           \
-            const float s = sv[row];                                                           \
             for (int64_t k = off + start; k < off + stop; k++)                                 \
-                store_##SUFFIX(gv, k, s * (load_##SUFFIX(xn, k) - ar * load_##SUFFIX(x, k)     \
-                                           - br * load_##SUFFIX(v, k)));                       \
+                store_##SUFFIX(gv, k, sv * (load_##SUFFIX(xn, k) - ar * load_##SUFFIX(x, k)    \
+                                            - br * load_##SUFFIX(v, k)));                      \
             continue;                                                                          \
         }                                                                                      \
         for (int64_t k = off + start; k < off + stop; k++) {                                   \
             float d = load_##SUFFIX(xn, k) - ar * load_##SUFFIX(x, k) - br * load_##SUFFIX(v, k); \
-            if (gx) store_##SUFFIX(gx, k, sx[row] * d);                                        \
-            if (gv) store_##SUFFIX(gv, k, sv[row] * d);                                        \
-            if (gn) store_##SUFFIX(gn, k, sn[row] * d);                                        \
+            if (gx) store_##SUFFIX(gx, k, sx * d);                                             \
+            if (gv) store_##SUFFIX(gv, k, sv * d);                                             \
+            if (gn) store_##SUFFIX(gn, k, sn * d);                                             \
         }                                                                                      \
     }                                                                                          \
 }                                                                                              \
@@ -100,7 +111,7 @@ void sde_logprob_bwd_##SUFFIX(const T *x, const T *v, const T *xn, const float *
 void sde_sample_##SUFFIX(const T *x, const T *v, const T *eps, const float *a, const float *b, \
                          const float *scale, T *out, int64_t rows, int64_t n) {                \
     int64_t blocks = (n + BLOCK - 1) / BLOCK;                                                  \
-    _Pragma("omp parallel for schedule(static)")                                               \
+    _Pragma("omp parallel for schedule(static) if (rows * n >= PARALLEL_MIN)")                 \
     for (int64_t task = 0; task < rows * blocks; task++) {                                     \
         int64_t row = task / blocks, start = (task % blocks) * BLOCK;                          \
         int64_t stop = start + BLOCK < n ? start + BLOCK : n;                                  \
