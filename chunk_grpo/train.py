@@ -202,9 +202,15 @@ def evaluate(tr: Trainer, step: int) -> dict:
 # ----------------------------------------------------------------------------- setup
 
 def _prompt_list(spec: str) -> list[str]:
-    from chunk_grpo.shapes import HELDOUT_PROMPTS_FILE, TRAIN_PROMPTS_FILE, load_prompts
+    from chunk_grpo.shapes import (
+        HELDOUT_PROMPTS_FILE,
+        RL_PROMPTS_FILE,
+        TRAIN_PROMPTS_FILE,
+        load_prompts,
+    )
 
-    files = {"shapes:train": TRAIN_PROMPTS_FILE, "shapes:heldout": HELDOUT_PROMPTS_FILE}
+    files = {"shapes:train": TRAIN_PROMPTS_FILE, "shapes:heldout": HELDOUT_PROMPTS_FILE,
+             "shapes:rl": RL_PROMPTS_FILE}
     return load_prompts(files.get(spec, spec))
 
 

@@ -6,6 +6,7 @@ from chunk_grpo.shapes import (
     HELDOUT_PAIRS,
     HELDOUT_PROMPTS_FILE,
     PALETTE,
+    RL_PROMPTS_FILE,
     TRAIN_PROMPTS_FILE,
     VOCABULARY,
     PromptError,
@@ -18,6 +19,7 @@ from chunk_grpo.shapes import (
     render_scene,
     scene_to_prompt,
 )
+from chunk_grpo.shapes.prompt_sets import distinct_prompts
 
 
 def test_prompt_round_trip_and_vocabulary():
@@ -86,6 +88,21 @@ def test_shipped_prompt_files():
         scene = parse_prompt(prompt)
         assert not any((g.colour, g.shape) in HELDOUT_PAIRS for g in scene.objects)
     assert all(parse_prompt(p).is_heldout for p in heldout)
+
+
+def test_rl_prompts_cover_the_grammar_but_no_evaluation_prompt():
+    rl = load_prompts(RL_PROMPTS_FILE)
+    assert len(set(rl)) == len(rl) == 2000
+    assert not set(rl) & set(load_prompts(HELDOUT_PROMPTS_FILE))
+    with_heldout_pair = sum(parse_prompt(p).is_heldout for p in rl)
+    assert 0.15 * len(rl) < with_heldout_pair < 0.5 * len(rl)
+
+
+def test_prompt_sets_regenerate_the_shipped_files():
+    heldout = distinct_prompts(256, split="heldout", seed=1)
+    assert heldout == load_prompts(HELDOUT_PROMPTS_FILE)
+    rl = distinct_prompts(2000, split="all", seed=2, exclude=frozenset(heldout))
+    assert rl == load_prompts(RL_PROMPTS_FILE)
 
 
 def test_render_is_deterministic_and_uses_the_palette():

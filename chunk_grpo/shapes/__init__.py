@@ -24,6 +24,7 @@ from chunk_grpo.shapes.render import BACKGROUND, PALETTE, layout_scene, render_s
 DATA_DIR = Path(__file__).parent / "data"
 TRAIN_PROMPTS_FILE = DATA_DIR / "train_prompts.txt"
 HELDOUT_PROMPTS_FILE = DATA_DIR / "heldout_prompts.txt"
+RL_PROMPTS_FILE = DATA_DIR / "rl_prompts.txt"
 
 
 def load_prompts(path: str | Path) -> list[str]:
@@ -51,6 +52,7 @@ __all__ = [
     "SIZES",
     "TRAIN_PROMPTS_FILE",
     "VOCABULARY",
+    "RL_PROMPTS_FILE",
     "PromptError",
     "Scene",
     "ShapeObject",
