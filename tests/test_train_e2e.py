@@ -39,7 +39,7 @@ def test_cli_two_steps_auto_chunks_and_export(tmp_path):
     main(["--model", str(model), "--reward", "test_brightness", "--output-dir", str(out),
           "--num-steps", "6", "--group-size", "4", "--prompts-per-step", "2",
           "--micro-batch-size", "4", "--chunks", "auto", "--weighted-chunks", "true",
-          "--chunk-fraction", "0.5", "--max-steps", "2", "--eval-images", "4",
+          "--sde-window", "0", "--chunk-fraction", "0.5", "--max-steps", "2", "--eval-images", "4",
           "--eval-hybrid-steps", "2", "--image-grid-every", "1", "--progress", "false",
           "--lr", "1e-3"])
     saved = yaml.safe_load((out / "config.yaml").read_text())
