@@ -19,14 +19,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
-from scipy import stats
 
+from chunk_grpo.paired import SAMPLE_DECIMALS, paired_difference
 from chunk_grpo.rewards import Reward, get_reward
 from chunk_grpo.rollout import SDE_KINDS, generate
 from chunk_grpo.shapes import HELDOUT_PROMPTS_FILE, load_prompts
+from chunk_grpo.stats import mean_ci95
 
 
 @dataclass
@@ -48,18 +48,6 @@ class EvalResult:
             "sampling_seconds": self.sampling_seconds,
             **self.attributes,
         }
-
-
-def mean_ci95(values: torch.Tensor | np.ndarray) -> tuple[float, float]:
-    """Mean and half-width of its 95% confidence interval (Student t; NaN for n < 2)."""
-    x = np.asarray(values, dtype=np.float64).ravel()
-    if x.size == 0:
-        raise ValueError("mean_ci95 needs at least one value")
-    mean = float(x.mean())
-    if x.size < 2:
-        return mean, math.nan
-    half = stats.t.ppf(0.975, x.size - 1) * x.std(ddof=1) / math.sqrt(x.size)
-    return mean, float(half)
 
 
 @torch.no_grad()
@@ -145,17 +133,19 @@ def captioned_grid(
     return sheet
 
 
-def write_outputs(result: EvalResult, out_dir: str | Path, settings: dict, grid_max: int = 64):
-    """metrics.json, samples.jsonl and grid.png (the first `grid_max` images) in out_dir."""
+def write_outputs(result: EvalResult, out_dir: str | Path, settings: dict, grid_max: int = 64,
+                  extra: dict | None = None):
+    """metrics.json (with ``extra`` entries), samples.jsonl and grid.png (the first
+    `grid_max` images) in out_dir."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    metrics = {**result.metrics(), "settings": settings}
+    metrics = {**result.metrics(), **(extra or {}), "settings": settings}
     # NaN (e.g. a CI from one image) is not JSON: write null.
     clean = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in metrics.items()}
     (out / "metrics.json").write_text(json.dumps(clean, indent=2) + "\n")
     with open(out / "samples.jsonl", "w", encoding="utf-8") as f:
         for prompt, value in zip(result.prompts, result.rewards.tolist(), strict=True):
-            f.write(json.dumps({"prompt": prompt, "reward": round(value, 4)}) + "\n")
+            f.write(json.dumps({"prompt": prompt, "reward": round(value, SAMPLE_DECIMALS)}) + "\n")
     k = min(grid_max, result.n)
     scores = result.rewards[:k].tolist()
     captions = [f"{r:.2f}  {p}" for p, r in zip(result.prompts[:k], scores, strict=True)]
@@ -185,6 +175,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hybrid-base", default=None, help="base model for the last steps")
     p.add_argument("--hybrid-steps", type=int, default=0, help="first K steps use --model")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--compare", default=None, metavar="EVAL_DIR",
+                   help="an earlier evaluation's --out (same prompts and seed): report the "
+                        "paired per-image reward difference with its 95%% CI")
     return p
 
 
@@ -218,19 +211,31 @@ def main(argv: list[str] | None = None) -> EvalResult:
         hybrid_base=base,
         hybrid_steps=args.hybrid_steps,
     )
-    settings = {k: v for k, v in vars(args).items() if k not in ("out", "steps")}
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "steps", "compare")}
     settings.update(
         num_steps=args.steps if args.steps is not None else policy.defaults.num_steps,
         shift=args.shift if args.shift is not None else policy.defaults.shift,
         cfg_scale=args.cfg_scale if args.cfg_scale is not None else policy.default_cfg_scale,
     )
-    write_outputs(result, args.out, settings)
+    extra = {}
+    if args.compare is not None:
+        try:
+            paired = paired_difference(result.prompts, result.rewards.numpy(), settings,
+                                       args.compare)
+        except ValueError as err:
+            raise SystemExit(f"--compare: {err}") from None
+        extra["paired"] = paired.as_dict()
+    write_outputs(result, args.out, settings, extra=extra)
     print(
         f"{args.reward} reward: {result.reward_mean:.4f} +- {result.reward_ci95:.4f} "
         f"(95% CI, n={result.n})"
     )
     for key, value in result.attributes.items():
         print(f"  {key}: {value:.4f}")
+    if "paired" in extra:
+        d = extra["paired"]
+        print(f"  minus {d['baseline']}: {d['diff_mean']:+.4f} +- {d['diff_ci95']:.4f} "
+              f"(paired 95% CI; {d['changed_fraction']:.0%} of images changed)")
     print(f"sampling: {result.sampling_seconds:.1f} s for {result.n} images")
     print(f"wrote {Path(args.out) / 'metrics.json'} and {Path(args.out) / 'grid.png'}")
     return result

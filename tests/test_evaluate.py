@@ -97,3 +97,40 @@ def test_bad_arguments(policy, model_dir, tmp_path):
         main(["--model", str(model_dir), "--out", str(tmp_path), "--hybrid-steps", "2"])
     with pytest.raises(ValueError, match="captions"):
         captioned_grid(torch.zeros(2, 3, 8, 8), ["one caption"])
+
+
+def test_compare_reports_the_paired_difference(model_dir, tmp_path, capsys):
+    prompts_file = tmp_path / "prompts.txt"
+    prompts_file.write_text("\n".join(PROMPTS) + "\n")
+    common = ["--model", str(model_dir), "--prompts", str(prompts_file), "--steps", "2"]
+    base = main([*common, "--out", str(tmp_path / "a"), "--seed", "3"])
+    # Same model, prompts and seed: every image is identical, so the difference is exactly 0.
+    same = main([*common, "--out", str(tmp_path / "b"), "--seed", "3",
+                 "--compare", str(tmp_path / "a")])
+    paired = json.loads((tmp_path / "b" / "metrics.json").read_text())["paired"]
+    assert paired["diff_mean"] == 0.0 and paired["changed_fraction"] == 0.0
+    assert paired["n"] == 3 and "+0.0000" in capsys.readouterr().out
+    assert torch.equal(same.rewards, base.rewards)
+
+
+def test_paired_difference_values_and_mismatches(tmp_path):
+    from chunk_grpo.paired import paired_difference
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "samples.jsonl").write_text(
+        "".join(json.dumps({"prompt": p, "reward": r}) + "\n"
+                for p, r in zip(["p", "q", "r"], [0.2, 0.5, 0.9], strict=True)))
+    (base / "metrics.json").write_text(json.dumps({"settings": {"seed": 0}}))
+    rewards = torch.tensor([0.3, 0.5, 1.0]).double().numpy()
+    d = paired_difference(["p", "q", "r"], rewards, {"seed": 0}, base)
+    diffs = [0.1, 0.0, 0.1]
+    assert d.diff_mean == pytest.approx(sum(diffs) / 3)
+    assert d.diff_ci95 == pytest.approx(mean_ci95(diffs)[1])
+    assert d.changed_fraction == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="other prompts"):
+        paired_difference(["p", "r", "q"], rewards, {"seed": 0}, base)
+    with pytest.raises(ValueError, match="seed=0, this run 1"):
+        paired_difference(["p", "q", "r"], rewards, {"seed": 1}, base)
+    with pytest.raises(ValueError, match="not an evaluation directory"):
+        paired_difference(["p"], rewards[:1], {}, tmp_path / "missing")
