@@ -50,6 +50,7 @@ from chunk_grpo.policy_setup import (
 from chunk_grpo.policy_update import optimizer_step_after, plan_units, update_policy
 from chunk_grpo.profile import measure_dynamics, propose_chunks, save_profile
 from chunk_grpo.rollout import sample_rollouts
+from chunk_grpo.stats import mean_ci95
 
 
 class TrainingDiverged(RuntimeError):
@@ -75,6 +76,7 @@ class Trainer:
     chunk_weights: torch.Tensor | None
     logger: MetricsLogger
     base_policy: object = None  # frozen base for hybrid evaluation
+    base_eval_rewards: torch.Tensor | None = None  # the base's rewards on the eval images
 
     @property
     def cfg_scale(self) -> float:
@@ -172,11 +174,16 @@ def _mean(values: list[float]) -> float:
 
 def evaluate(tr: Trainer, step: int) -> dict:
     """Held-out reward with 95% CI (ODE sampling with the model's default steps and shift, EMA
-    weights if any), and hybrid inference."""
+    weights if any), and hybrid inference. With the base model at hand, also the paired gain
+    over it: the same images (prompts and initial noise) sampled by the base, once per run."""
     from chunk_grpo.evaluate import evaluate_policy
 
     cfg, out = tr.cfg, {}
     prompts = [tr.eval_prompts[i % len(tr.eval_prompts)] for i in range(cfg.eval_images)]
+    settings = dict(reward=tr.reward_fn, seed=cfg.seed + 1, cfg_scale=tr.cfg_scale,
+                    batch_size=cfg.rollout_batch_size)
+    if tr.base_policy is not None and tr.base_eval_rewards is None:
+        tr.base_eval_rewards = evaluate_policy(tr.base_policy, prompts, **settings).rewards
     if tr.ema is not None:
         tr.ema.swap()
     try:
@@ -185,11 +192,13 @@ def evaluate(tr: Trainer, step: int) -> dict:
             runs.append(("eval_hybrid", tr.base_policy, cfg.eval_hybrid_steps))
         for name, base, k in runs:
             # The model's own sampling defaults, as `python -m chunk_grpo.evaluate` uses them.
-            res = evaluate_policy(tr.policy, prompts, reward=tr.reward_fn, seed=cfg.seed + 1,
-                                  cfg_scale=tr.cfg_scale, batch_size=cfg.rollout_batch_size,
-                                  hybrid_base=base, hybrid_steps=k)
+            res = evaluate_policy(tr.policy, prompts, hybrid_base=base, hybrid_steps=k,
+                                  **settings)
             out[f"{name}/reward_mean"] = res.reward_mean
             out[f"{name}/reward_ci95"] = res.reward_ci95
+            if tr.base_eval_rewards is not None:
+                gain, gain_ci = mean_ci95(res.rewards - tr.base_eval_rewards)
+                out[f"{name}/gain_vs_base"], out[f"{name}/gain_ci95"] = gain, gain_ci
             if tr.info.is_main:
                 save_image_grid(res.images[:32], tr.run_dir / "images" / f"{name}-{step:06d}.png",
                                 ncols=8, captions=res.prompts[:32])

@@ -8,12 +8,13 @@ import torch
 import yaml
 from trainer_utils import tiny_config, tiny_model_dir
 
-from chunk_grpo import evaluate
+from chunk_grpo import evaluate as evaluate_cli
 from chunk_grpo.checkpoint import latest_checkpoint
+from chunk_grpo.distributed import init_distributed
 from chunk_grpo.metrics import read_metrics
 from chunk_grpo.models import FluxPolicy
 from chunk_grpo.rewards import register_reward
-from chunk_grpo.train import TrainingDiverged, main, run
+from chunk_grpo.train import TrainingDiverged, build_trainer, evaluate, main, run
 
 
 class NanAfterFirst:
@@ -54,6 +55,7 @@ def test_cli_two_steps_auto_chunks_and_export(tmp_path):
         assert key in records[0], key
     assert any(k.startswith("chunk") and k.endswith("/ratio_mean") for k in records[0])
     assert "eval/reward_ci95" in records[-1] and "eval_hybrid/reward_mean" in records[-1]
+    assert "eval/gain_vs_base" in records[-1] and "eval_hybrid/gain_ci95" in records[-1]
     assert list((out / "tensorboard").iterdir())
     assert (out / "images" / "rollout-000000.png").exists()
     state = torch.load(latest_checkpoint(out) / "state.pt", weights_only=False)
@@ -62,7 +64,7 @@ def test_cli_two_steps_auto_chunks_and_export(tmp_path):
     # The exported model is a diffusers directory with the sampling defaults of the base.
     exported = FluxPolicy.from_pretrained(out / "final_model")
     assert (exported.height, exported.max_sequence_length) == (32, 8)
-    result = evaluate.main(["--model", str(out / "final_model"), "--reward", "test_brightness",
+    result = evaluate_cli.main(["--model", str(out / "final_model"), "--reward", "test_brightness",
                             "--max-prompts", "4", "--out", str(tmp_path / "eval"),
                             "--hybrid-base", str(model), "--hybrid-steps", "2"])
     assert result.n == 4 and 0.0 <= result.reward_mean <= 1.0
@@ -110,3 +112,20 @@ def test_lora_with_reference_kl_and_merged_export(tmp_path):
         v_base = base.velocity(x, s, emb)
     torch.testing.assert_close(v_merged, v_lora, rtol=1e-4, atol=1e-5)
     assert not torch.allclose(v_base, v_lora, atol=1e-5)  # the adapters did learn something
+
+
+def test_eval_gain_vs_base_is_exactly_zero_before_training(tmp_path):
+    # LoRA starts with B = 0: the policy samples the base's images bit for bit.
+    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", lora_rank=4,
+                      eval_hybrid_steps=2, eval_images=3)
+    tr = build_trainer(cfg, tmp_path / "run", init_distributed("cpu"))
+    out = evaluate(tr, 0)
+    assert out["eval/gain_vs_base"] == 0.0 and out["eval_hybrid/gain_vs_base"] == 0.0
+    assert tr.base_eval_rewards.shape == (3,)
+    with torch.no_grad():  # move the policy: the gain is now measured against the cached base
+        for p in tr.params:
+            p.add_(0.5)
+    moved = evaluate(tr, 1)
+    assert moved["eval/gain_vs_base"] != 0.0
+    assert moved["eval/gain_vs_base"] == pytest.approx(
+        moved["eval/reward_mean"] - float(tr.base_eval_rewards.mean()))

@@ -47,6 +47,7 @@ def tiny_config(model_dir: Path, out_dir: Path, **overrides):
                   image_grid_every=0, progress=False, eta=0.7, lr=1e-3, eval_hybrid_steps=0,
                   max_minutes=0, eval_every=0, checkpoint_every=0,
                   # the mechanics under test: full fine-tuning, every step stochastic
-                  lora_rank=0, sde_window=0, shared_noise=False)
+                  lora_rank=0, sde_window=0, shared_noise=False, mixed_precision="no",
+                  chunk_fraction=0.5)
     values.update(overrides)
     return build_config(None, values)
