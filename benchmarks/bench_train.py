@@ -31,6 +31,7 @@ from chunk_grpo import distributed as D
 from chunk_grpo.advantages import group_advantages
 from chunk_grpo.chunking import select_chunks
 from chunk_grpo.config import TrainConfig
+from chunk_grpo.rollout import autocast_context
 from chunk_grpo.schedule import flux_sigmas
 from chunk_grpo.train import build_trainer, train_iteration
 
@@ -116,7 +117,10 @@ def _ours(tr, step: int) -> dict:
 
 
 def _dance_layout(tr, step: int) -> dict:
-    """Batch-1 rollouts with eager log-probs; training one (sample, timestep) per call."""
+    """Batch-1 rollouts with eager log-probs; training one (sample, timestep) per call.
+
+    The same sampling work as the config (shared group noise, SDE window, autocast
+    precision), so the ratio measures the layout alone."""
     cfg, policy, times = tr.cfg, tr.policy, {}
     prompts = D.sample_prompts(tr.train_prompts, cfg.prompts_per_step, seed=cfg.seed,
                                step=step, info=tr.info)
@@ -125,16 +129,23 @@ def _dance_layout(tr, step: int) -> dict:
     kw = dict(eta=cfg.eta, kind=cfg.sde_kind, sigma_max=float(sigmas[1]), backend="reference")
     t0 = time.perf_counter()
     latents, images, rows_prompt, embeds = [], [], [], []
+    window = cfg.sde_window or cfg.num_steps  # steps t < window are SDE steps, as in denoise
     with torch.no_grad():
         for p in prompts:
             emb = policy.encode_prompts([p])
+            group_noise = policy.initial_noise(1, gen).float()
             for _ in range(cfg.group_size):
-                x = policy.initial_noise(1, gen).float()
+                x = group_noise if cfg.shared_noise else policy.initial_noise(1, gen).float()
                 traj = [x]
                 for t in range(cfg.num_steps):
-                    v = policy.velocity(x, sigmas[t:t + 1], emb, cfg_scale=tr.cfg_scale)
-                    noise = torch.randn(x.shape, generator=gen)
-                    x, _ = grpo_kernels.sde_step_sample(x, v, noise, sigmas[t], sigmas[t + 1], **kw)
+                    with autocast_context(x.device, cfg.mixed_precision):
+                        v = policy.velocity(x, sigmas[t:t + 1], emb, cfg_scale=tr.cfg_scale)
+                    if t < window:
+                        noise = torch.randn(x.shape, generator=gen)
+                        x, _ = grpo_kernels.sde_step_sample(x, v.float(), noise, sigmas[t],
+                                                            sigmas[t + 1], **kw)
+                    else:
+                        x = grpo_kernels.ode_step(x, v.float(), sigmas[t], sigmas[t + 1])
                     traj.append(x)
                 latents.append(torch.cat(traj))
                 images.append(policy.decode(x))
@@ -157,8 +168,10 @@ def _dance_layout(tr, step: int) -> dict:
     for i, traj in enumerate(latents):
         for t in steps:
             x, x_next = traj[t:t + 1], traj[t + 1:t + 2]
-            v = policy.velocity(x, sigmas[t:t + 1], embeds[i], cfg_scale=tr.cfg_scale)
-            logp = grpo_kernels.sde_step_logprob(x, v, x_next, sigmas[t], sigmas[t + 1], **kw)
+            with autocast_context(x.device, cfg.mixed_precision):
+                v = policy.velocity(x, sigmas[t:t + 1], embeds[i], cfg_scale=tr.cfg_scale)
+            logp = grpo_kernels.sde_step_logprob(x, v.float(), x_next, sigmas[t], sigmas[t + 1],
+                                                 **kw)
             loss, _ = grpo_kernels.chunk_grpo_loss(
                 logp.view(1, 1), logp.detach().view(1, 1), adv[i:i + 1], [1],
                 clip_low=cfg.clip_low, clip_high=cfg.clip_high, backend="reference")

@@ -1,0 +1,97 @@
+"""Where the reward is decided: the reward spread one stochastic step causes, step by step.
+
+    python -m chunk_grpo.credit [--model PATH] [--num-steps 10] [--prompts 8] [--group-size 8]
+
+For each step k, every group (G images of one prompt from one shared initial noise) is sampled
+with the ODE everywhere except one SDE step at k; the mean within-group reward std then says how
+much of the reward is still open at step k. A step whose branches all score alike gives the
+policy gradient nothing to learn from (its advantages are noise), which is how to choose
+`--sde-window`: train the steps where the spread is. Saves DIR/credit.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+import grpo_kernels
+from chunk_grpo.rollout import autocast_context, sde_step
+from chunk_grpo.schedule import flux_sigmas
+
+
+@torch.no_grad()
+def reward_spread_by_step(policy, prompts: list[str], reward, *, num_steps: int, shift: float,
+                          kind: str = "flow", eta: float = 0.7, group_size: int = 8,
+                          cfg_scale: float | None = None, seed: int = 0,
+                          mixed_precision: str = "no") -> dict[str, list[float]]:
+    """Per trained step k (0 .. T-2): mean within-group reward std and mean reward when only
+    step k is stochastic. Returns {"sigma": [...], "spread": [...], "reward": [...]}."""
+    if group_size < 2:
+        raise ValueError(f"group_size must be >= 2 to measure a spread, got {group_size}")
+    cfg = policy.default_cfg_scale if cfg_scale is None else cfg_scale
+    sigmas = flux_sigmas(num_steps, shift)
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.arange(len(prompts)).repeat_interleave(group_size)
+    embeds = policy.encode_prompts(list(prompts)).index(rows)
+    row_prompts = [prompts[i] for i in rows.tolist()]
+    start = policy.initial_noise(len(prompts), generator).float().repeat_interleave(group_size, 0)
+    out = {"sigma": [], "spread": [], "reward": []}
+    for k in range(num_steps - 1):
+        x = start
+        for t in range(num_steps):
+            s = sigmas[t].expand(x.shape[0])
+            s_next = sigmas[t + 1].expand(x.shape[0])
+            with autocast_context(x.device, mixed_precision):
+                v = policy.velocity(x, s, embeds, cfg_scale=cfg).float()
+            if t == k:
+                x, _ = sde_step(x, v, s, s_next, kind=kind, eta=eta,
+                                sigma_max=float(sigmas[1]), generator=generator)
+            else:
+                x = grpo_kernels.ode_step(x, v, s, s_next)
+        scores = reward(policy.decode(x).float(), row_prompts).float().view(-1, group_size)
+        out["sigma"].append(float(sigmas[k]))
+        out["spread"].append(float(scores.std(dim=1).mean()))
+        out["reward"].append(float(scores.mean()))
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, list[float]]:
+    from chunk_grpo.models import EMBEDDED_MODEL, FluxPolicy
+    from chunk_grpo.rewards import get_reward
+    from chunk_grpo.shapes import RL_PROMPTS_FILE, load_prompts
+
+    parser = argparse.ArgumentParser(prog="python -m chunk_grpo.credit", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=str(EMBEDDED_MODEL))
+    parser.add_argument("--reward", default="shapes")
+    parser.add_argument("--prompts-file", default=str(RL_PROMPTS_FILE))
+    parser.add_argument("--prompts", type=int, default=8, help="number of prompts")
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--num-steps", type=int, default=10)
+    parser.add_argument("--shift", type=float, default=3.0)
+    parser.add_argument("--kind", default="flow")
+    parser.add_argument("--eta", type=float, default=0.7)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="credit")
+    args = parser.parse_args(argv)
+    policy = FluxPolicy.from_pretrained(args.model)
+    prompts = load_prompts(args.prompts_file)[:args.prompts]
+    result = reward_spread_by_step(
+        policy, prompts, get_reward(args.reward), num_steps=args.num_steps, shift=args.shift,
+        kind=args.kind, eta=args.eta, group_size=args.group_size, seed=args.seed)
+    print("step  sigma   within-group reward std   mean reward")
+    for k, (s, spread, r) in enumerate(zip(result["sigma"], result["spread"], result["reward"],
+                                          strict=True)):
+        print(f"{k:4d}  {s:.4f}  {spread:.4f}                    {r:.4f}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "credit.json").write_text(json.dumps({**result, "settings": vars(args)}, indent=2))
+    print(f"saved {out / 'credit.json'}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
