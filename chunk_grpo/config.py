@@ -30,7 +30,7 @@ class TrainConfig:
     # --- model, data, reward -------------------------------------------------------------
     model: str = "embedded"  # diffusers directory or hub id; "embedded" = shipped tiny FLUX
     reward: str = "shapes"  # name in the reward registry
-    train_prompts: str = "shapes:train"  # prompt file, or "shapes:train" / "shapes:heldout"
+    train_prompts: str = "shapes:rl"  # a prompt file, or shapes:rl / shapes:train / shapes:heldout
     eval_prompts: str = "shapes:heldout"
     output_dir: str = ""  # "" = runs/<timestamp>
     seed: int = 0
@@ -44,16 +44,16 @@ class TrainConfig:
     eta: float = 0.7
     cfg_scale: float | None = None  # None = the model's default_cfg_scale
     group_size: int = 8  # G images per prompt
-    prompts_per_step: int = 4  # prompts per rank per iteration
-    shared_noise: bool = False  # same initial noise for the whole group
-    sde_window: int = 0  # k > 0: only the first k steps are SDE (and trained), the rest ODE
+    prompts_per_step: int = 8  # prompts per rank per iteration
+    shared_noise: bool = True  # same initial noise for the whole group
+    sde_window: int = 3  # k > 0: only the first k steps are SDE (and trained), the rest ODE
     decode: str = "final"  # final latent | x0 (the last step's clean prediction)
     rollout_batch_size: int = 64  # rows per rollout transformer call
 
     # --- chunking -------------------------------------------------------------------------
     chunks: str = "auto"  # "2,3,4,7" | "auto" | "step" | "sequence"
     chunk_size: int | None = None  # fixed-size chunks; overrides `chunks`
-    chunk_fraction: float = 0.5  # fraction of chunks trained per iteration
+    chunk_fraction: float = 1.0  # fraction of chunks trained per iteration
     weighted_chunks: bool = False  # draw chunks with weight ~ mean relative change
     profile_prompts: int = 16  # prompts used for the temporal-dynamics profile
     max_chunk_size: int = 5  # auto chunking splits longer segments
@@ -82,7 +82,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     warmup_steps: int = 0  # optimizer steps of linear warm-up
     lr_schedule: str = "constant"  # constant | cosine
-    mixed_precision: str = "no"  # no | bf16
+    mixed_precision: str = "bf16"  # no | bf16
     gradient_checkpointing: bool = False
     lora_rank: int = 8  # 0 = full fine-tuning
     lora_alpha: float | None = None  # None = lora_rank
