@@ -133,9 +133,9 @@ def _dance_layout(tr, step: int) -> dict:
     with torch.no_grad():
         for p in prompts:
             emb = policy.encode_prompts([p])
-            group_noise = policy.initial_noise(1, gen).float()
+            shared = policy.initial_noise(1, gen).float() if cfg.shared_noise else None
             for _ in range(cfg.group_size):
-                x = group_noise if cfg.shared_noise else policy.initial_noise(1, gen).float()
+                x = shared if shared is not None else policy.initial_noise(1, gen).float()
                 traj = [x]
                 for t in range(cfg.num_steps):
                     with autocast_context(x.device, cfg.mixed_precision):

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import grpo_kernels
-from chunk_grpo.rollout import autocast_context, sde_step
+from chunk_grpo.rollout import autocast_context, denoise, sde_step
 from chunk_grpo.schedule import flux_sigmas
 
 
@@ -35,17 +35,23 @@ def reward_spread_by_step(policy, prompts: list[str], reward, *, num_steps: int,
     sigmas = flux_sigmas(num_steps, shift)
     generator = torch.Generator().manual_seed(seed)
     rows = torch.arange(len(prompts)).repeat_interleave(group_size)
-    embeds = policy.encode_prompts(list(prompts)).index(rows)
+    embeds = policy.encode_prompts(list(prompts))
     row_prompts = [prompts[i] for i in rows.tolist()]
-    start = policy.initial_noise(len(prompts), generator).float().repeat_interleave(group_size, 0)
+    start = policy.initial_noise(len(prompts), generator).float()
+    # The ODE steps before the branch are the same for every k: run the trajectory once.
+    _, ode_path, _, _ = denoise([policy, policy], start, [embeds, embeds], sigmas, num_steps,
+                                sampler="ode", eta=0.0, cfg_scale=cfg, generator=None,
+                                mixed_precision=mixed_precision, keep=True)
+    ode_path = ode_path.repeat_interleave(group_size, 0)
+    group_embeds = embeds.index(rows)
     out = {"sigma": [], "spread": [], "reward": []}
     for k in range(num_steps - 1):
-        x = start
-        for t in range(num_steps):
+        x = ode_path[:, k]
+        for t in range(k, num_steps):
             s = sigmas[t].expand(x.shape[0])
             s_next = sigmas[t + 1].expand(x.shape[0])
             with autocast_context(x.device, mixed_precision):
-                v = policy.velocity(x, s, embeds, cfg_scale=cfg).float()
+                v = policy.velocity(x, s, group_embeds, cfg_scale=cfg).float()
             if t == k:
                 x, _ = sde_step(x, v, s, s_next, kind=kind, eta=eta,
                                 sigma_max=float(sigmas[1]), generator=generator)
