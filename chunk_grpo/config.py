@@ -263,10 +263,11 @@ def load_saved_config(path: str | Path) -> TrainConfig:
     return build_config(path)
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[str | None, dict[str, Any], str | None]:
+def parse_args(argv: list[str] | None = None, prog: str = "python -m chunk_grpo.train"
+               ) -> tuple[str | None, dict[str, Any], str | None]:
     """Parse ``python -m chunk_grpo.train`` arguments: (YAML path, overrides, resume dir)."""
     parser = argparse.ArgumentParser(
-        prog="python -m chunk_grpo.train", allow_abbrev=False,
+        prog=prog, allow_abbrev=False,
         description="Chunk-GRPO fine-tuning of a flow-matching text-to-image model. With no "
                     "arguments: the embedded tiny FLUX on the shapes reward (CPU).")
     parser.add_argument("--config", help="YAML preset, e.g. configs/flux_dev_hpsv3.yaml")

@@ -1,0 +1,185 @@
+"""Is there anything to learn? The policy-gradient signal-to-noise ratio of a training config.
+
+    python -m chunk_grpo.gradient_snr [--iterations 16] [--first-step 0] [--json FILE]
+                                      [any flag of python -m chunk_grpo.train]
+
+Runs K independent training iterations with the trainer's own code (prompts, group rollouts,
+reward, advantages, chunk losses, backward) at the *same* weights, keeping each iteration's
+gradient instead of taking the optimizer step. Each gradient is g_i = g + n_i: the true gradient
+plus the noise of one iteration. The mean dot product over pairs i != j estimates |g|^2 without
+bias; the mean |g_i|^2 minus it estimates E|n|^2. Their ratio, SNR^2 per iteration, says how many
+iterations the optimizer must average before the gradient's direction shows through the noise:
+about 1 / SNR^2. Error bars are jackknife standard errors over the K iterations.
+
+Gradients are taken before clipping; with LoRA they are those of the adapter weights (at the
+start, only the zero-initialised B matrices receive any).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from chunk_grpo import distributed as D
+from chunk_grpo.config import ConfigError, TrainConfig, build_config, parse_args
+
+
+def snr_statistics(grads: torch.Tensor) -> dict[str, float]:
+    """Signal, noise and SNR^2 (with jackknife s.e.) of K independent gradients [K, P]."""
+    if grads.ndim != 2 or grads.shape[0] < 3:
+        raise ValueError(f"need [K, P] gradients with K >= 3 iterations, got "
+                         f"{tuple(grads.shape)}")
+    gram = grads.double() @ grads.double().T
+    k = gram.shape[0]
+
+    def estimate(keep: torch.Tensor) -> tuple[float, float, float]:
+        sub = gram[keep][:, keep]
+        n = sub.shape[0]
+        diag = sub.diagonal().sum()
+        signal = float((sub.sum() - diag) / (n * (n - 1)))
+        noise = float(diag / n) - signal
+        return signal, noise, signal / noise if noise > 0 else math.nan
+
+    signal, noise, snr2 = estimate(torch.ones(k, dtype=torch.bool))
+    leave_one_out = []
+    for i in range(k):
+        keep = torch.ones(k, dtype=torch.bool)
+        keep[i] = False
+        leave_one_out.append(estimate(keep)[2])
+    loo = torch.tensor(leave_one_out, dtype=torch.float64)
+    stderr = float(((k - 1) / k * ((loo - loo.mean()) ** 2).sum()).sqrt())
+    unit = grads.double() / grads.double().norm(dim=1, keepdim=True).clamp_min(1e-300)
+    cos = unit @ unit.T
+    mean_cos = float((cos.sum() - cos.diagonal().sum()) / (k * (k - 1)))
+    return {"iterations": k, "params": grads.shape[1], "signal": signal, "noise": noise,
+            "snr2_per_iteration": snr2, "snr2_stderr": stderr, "mean_pairwise_cosine": mean_cos}
+
+
+class _KeepGradient:
+    """Stands in for the optimizer: sums the gradient of every would-be step, never moves."""
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self.params = params
+        self.param_groups = [{"lr": 0.0}]
+        self.total: torch.Tensor | None = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def step(self) -> None:
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
+                          .float().cpu() for p in self.params])
+        self.total = flat if self.total is None else self.total + flat
+
+
+class _NoSchedule:
+    def step(self) -> None:
+        pass
+
+
+def iteration_gradients(tr, steps: list[int], progress: bool = True
+                        ) -> tuple[torch.Tensor, list[float]]:
+    """The gradient [len(steps), P] of each listed iteration at the trainer's current weights,
+    and each iteration's mean reward. The trainer's optimizer, schedule and EMA are untouched."""
+    from tqdm.auto import tqdm
+
+    from chunk_grpo.train import train_iteration
+
+    saved = (tr.optimizer, tr.scheduler, tr.ema, tr.cfg)
+    # Raw gradients: clipping would rescale each iteration by its own noise.
+    tr.cfg = dataclasses.replace(tr.cfg, max_grad_norm=math.inf, image_grid_every=0)
+    tr.scheduler, tr.ema = _NoSchedule(), None
+    grads, rewards = [], []
+    try:
+        for step in tqdm(steps, desc="gradient-snr", disable=not progress):
+            keep = tr.optimizer = _KeepGradient(tr.params)
+            metrics, finite = train_iteration(tr, step)
+            if not finite or keep.total is None:
+                raise RuntimeError(f"iteration {step} gave a non-finite reward, loss or gradient; "
+                                   "check the reward and the learning setup")
+            grads.append(keep.total)
+            rewards.append(metrics["reward_mean"])
+    finally:
+        tr.optimizer, tr.scheduler, tr.ema, tr.cfg = saved
+    return torch.stack(grads), rewards
+
+
+def measure(cfg: TrainConfig, iterations: int = 16, first_step: int = 0,
+            progress: bool = True) -> dict:
+    """Build the trainer for ``cfg`` (in a scratch directory) and measure its gradient SNR."""
+    from chunk_grpo.train import build_trainer
+
+    if iterations < 3:
+        raise ConfigError(f"--iterations must be >= 3 (pairs of independent gradients), "
+                          f"got {iterations}")
+    info = D.init_distributed(cfg.device)
+    if info.world_size > 1:
+        raise ConfigError("gradient_snr runs in one process; start it without torchrun")
+    with tempfile.TemporaryDirectory() as scratch:
+        cfg = dataclasses.replace(cfg, eval_hybrid_steps=0)  # no frozen base copy needed
+        tr = build_trainer(cfg, Path(scratch), info)
+        start = time.perf_counter()
+        grads, rewards = iteration_gradients(
+            tr, list(range(first_step, first_step + iterations)), progress=progress)
+        seconds = (time.perf_counter() - start) / iterations
+        tr.logger.close()
+    stats = snr_statistics(grads)
+    stats.update(images_per_iteration=cfg.prompts_per_step * cfg.group_size,
+                 reward_mean=sum(rewards) / len(rewards), seconds_per_iteration=seconds)
+    return stats
+
+
+def summary(stats: dict) -> str:
+    snr2, err = stats["snr2_per_iteration"], stats["snr2_stderr"]
+    lines = [
+        f"gradient SNR over {stats['iterations']} iterations of "
+        f"{stats['images_per_iteration']} images ({stats['params']} trainable values)",
+        f"  signal |E g|^2 = {stats['signal']:.3e}; noise E|n|^2 per iteration = "
+        f"{stats['noise']:.3e}",
+        f"  SNR^2 per iteration = {snr2:.4f} +- {err:.4f} (jackknife s.e.); mean pairwise "
+        f"cosine {stats['mean_pairwise_cosine']:.4f}",
+    ]
+    if snr2 > 2 * err and snr2 > 0:
+        lines.append(f"  the gradient's direction shows through its noise after about "
+                     f"{math.ceil(1 / snr2)} iterations")
+    else:
+        bound = max(snr2, 0.0) + 2 * err
+        lines.append(f"  no signal detected: SNR^2 below {bound:.4f}, so the optimizer needs "
+                     f"more than {math.floor(1 / bound) if bound > 0 else 'many'} iterations "
+                     "to see the gradient's direction")
+    lines.append(f"  mean reward {stats['reward_mean']:.3f}; "
+                 f"{stats['seconds_per_iteration']:.2f} s per iteration")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m chunk_grpo.gradient_snr", allow_abbrev=False,
+        description="Policy-gradient signal-to-noise ratio of a training config: K independent "
+                    "iterations at the same weights. Other flags are those of chunk_grpo.train.")
+    parser.add_argument("--iterations", type=int, default=16,
+                        help="independent iterations K (>= 3; default 16)")
+    parser.add_argument("--first-step", type=int, default=0,
+                        help="iteration index of the first one (selects prompts and noise)")
+    parser.add_argument("--json", metavar="FILE", help="also write the statistics here")
+    args, rest = parser.parse_known_args(argv)
+    yaml_path, overrides, resume = parse_args(rest, prog=parser.prog)
+    if resume:
+        raise ConfigError("gradient_snr measures a config; --resume is not supported")
+    cfg = build_config(yaml_path, overrides)
+    stats = measure(cfg, args.iterations, args.first_step, progress=cfg.progress)
+    print(summary(stats), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(stats, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
