@@ -44,24 +44,45 @@ def autocast_context(device: torch.device, mixed_precision: str):
 
 
 def sde_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
-             *, kind: str, eta: float, sigma_max: float, generator: torch.Generator | None
-             ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One stochastic step (x_next, logp [B]); the deterministic last cps step has no logp."""
+             *, kind: str, eta: float, sigma_max: float, generator: torch.Generator | None,
+             noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One stochastic step (x_next, logp [B]); the deterministic last cps step has no logp.
+
+    ``noise`` (x's shape) is the step's standard normal draw; None draws it from ``generator``.
+    """
     if kind in ("cps", "cps_mse") and bool((sigma_next == 0).any()):
         return grpo_kernels.ode_step(x, v, sigma, sigma_next), None
-    device = generator.device if generator is not None else x.device
-    noise = torch.randn(x.shape, generator=generator, dtype=torch.float32, device=device)
+    if noise is None:
+        device = generator.device if generator is not None else x.device
+        noise = torch.randn(x.shape, generator=generator, dtype=torch.float32, device=device)
     return grpo_kernels.sde_step_sample(x, v, noise.to(x), sigma, sigma_next, eta=eta,
                                         kind=kind, sigma_max=sigma_max)
+
+
+def sde_steps(num_steps: int, sde_window: int = 0) -> int:
+    """How many leading steps an SDE sampler draws noise for (all, or the window's)."""
+    return min(sde_window, num_steps) if sde_window else num_steps
+
+
+def draw_step_noise(rows: int, latent_shape: tuple[int, ...], num_steps: int, sde_window: int,
+                    generator: torch.Generator | None) -> torch.Tensor:
+    """Every row's step noise [S, rows, *latent_shape] in one draw, so that a row's noise does
+    not depend on how the rows are split into transformer batches. Step-major: with one batch,
+    these are the very values drawing step by step gives."""
+    device = generator.device if generator is not None else "cpu"
+    shape = (sde_steps(num_steps, sde_window), rows, *latent_shape)
+    return torch.randn(shape, generator=generator, dtype=torch.float32, device=device)
 
 
 def denoise(policies, x: torch.Tensor, embeds: list, sigmas: torch.Tensor,
              switch_at: int, *, sampler: str, eta: float, cfg_scale: float,
              generator: torch.Generator | None, mixed_precision: str = "no",
-             keep: bool = False, sde_window: int = 0):
+             keep: bool = False, sde_window: int = 0, step_noise: torch.Tensor | None = None):
     """Run all steps on x; step t uses policies[0] if t < switch_at else policies[1].
 
     With an SDE ``sampler`` and ``sde_window`` k > 0, steps t >= k are ODE steps.
+    ``step_noise`` [S, B, ...] holds the draws of the S = `sde_steps` leading stochastic steps
+    (see `draw_step_noise`); None draws each step's noise from ``generator`` as it comes.
     Returns (final x, latents [B, T+1, ...] or None, logps [B, W] or None, last x0 prediction).
     """
     steps = sigmas.numel() - 1
@@ -82,8 +103,9 @@ def denoise(policies, x: torch.Tensor, embeds: list, sigmas: torch.Tensor,
             x = grpo_kernels.ode_step(x, v.to(x.dtype), s, s_next)
             logp = None
         else:
+            noise = None if step_noise is None else step_noise[t].to(x)
             x, logp = sde_step(x, v, s, s_next, kind=sampler, eta=eta, sigma_max=sigma_max,
-                               generator=generator)
+                               generator=generator, noise=noise)
         if keep:
             traj.append(x)
         logps.append(logp)
@@ -123,6 +145,7 @@ def sample_rollouts(policy, prompts: list[str], *, group_size: int, num_steps: i
         noise = policy.initial_noise(len(prompts), generator).repeat_interleave(group_size, 0)
     else:
         noise = policy.initial_noise(rows, generator)
+    step_noise = draw_step_noise(rows, tuple(noise.shape[1:]), num_steps, sde_window, generator)
     all_latents, all_logps, images = [], [], []
     for start in range(0, rows, batch_size):
         idx = prompt_index[start:start + batch_size]
@@ -131,7 +154,8 @@ def sample_rollouts(policy, prompts: list[str], *, group_size: int, num_steps: i
         x_final, latents, logps, x0 = denoise(
             [policy, policy], x, [embeds, embeds], sigmas, num_steps,
             sampler=kind, eta=eta, cfg_scale=cfg, generator=generator,
-            mixed_precision=mixed_precision, keep=True, sde_window=sde_window)
+            mixed_precision=mixed_precision, keep=True, sde_window=sde_window,
+            step_noise=step_noise[:, start:start + batch_size])
         all_latents.append(latents)
         all_logps.append(logps)
         images.append(policy.decode(x0 if decode == "x0" else x_final).float())
@@ -165,13 +189,20 @@ def generate(policy, prompts: list[str], *, num_steps: int = 16, shift: float = 
     switch_at = hybrid_steps if hybrid_base is not None else num_steps
     cfg = policy.default_cfg_scale if cfg_scale is None else cfg_scale
     sigmas = flux_sigmas(num_steps, shift)
+    # All draws up front: an image's noise does not depend on the batch it is sampled in.
+    initial = policy.initial_noise(len(prompts), generator).float()
+    step_noise = None
+    if sampler != "ode":
+        step_noise = draw_step_noise(len(prompts), tuple(initial.shape[1:]), num_steps, 0,
+                                     generator)
     images = []
     for start in range(0, len(prompts), batch_size):
         batch = list(prompts[start:start + batch_size])
         embeds = [p.encode_prompts(batch) for p in policies]
-        x = policy.initial_noise(len(batch), generator).float()
-        x, _, _, _ = denoise(policies, x, embeds, sigmas, switch_at, sampler=sampler,
-                              eta=eta, cfg_scale=cfg, generator=generator,
-                              mixed_precision=mixed_precision)
+        rows = slice(start, start + batch_size)
+        x, _, _, _ = denoise(policies, initial[rows], embeds, sigmas, switch_at, sampler=sampler,
+                             eta=eta, cfg_scale=cfg, generator=generator,
+                             mixed_precision=mixed_precision,
+                             step_noise=None if step_noise is None else step_noise[:, rows])
         images.append(policy.decode(x).float())  # the VAE is shared: only transformers differ
     return torch.cat(images)

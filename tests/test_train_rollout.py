@@ -62,6 +62,42 @@ def test_sde_window_rollout(policies):
     assert full.logps.shape == (2, 4)  # the window never includes the last step
 
 
+@pytest.mark.parametrize("kind", ["flow", "cps"])
+@pytest.mark.parametrize("sde_window", [0, 2])
+def test_rollout_noise_does_not_depend_on_the_batch_split(policies, kind, sde_window):
+    """Every row keeps its noise whatever rollout_batch_size is; with one batch the draws are
+    exactly those of drawing step by step (the pre-drawn noise changes no single-batch run)."""
+    from chunk_grpo.rollout import denoise
+
+    policy, _ = policies
+    kw = dict(group_size=2, num_steps=4, shift=3.0, kind=kind, eta=0.7, sde_window=sde_window)
+
+    def rollout(batch_size):
+        return sample_rollouts(policy, PROMPTS, generator=torch.Generator().manual_seed(4),
+                               batch_size=batch_size, **kw)
+
+    whole, split = rollout(64), rollout(4)
+    torch.testing.assert_close(split.latents, whole.latents, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(split.logps, whole.logps, rtol=1e-4, atol=1e-4)
+    # one batch: the same values as the step-by-step draw from the generator
+    gen = torch.Generator().manual_seed(4)
+    x = policy.initial_noise(6, gen).float()
+    embeds = whole.prompt_embeds.index(whole.prompt_index)
+    with torch.no_grad():
+        _, latents, logps, _ = denoise([policy, policy], x, [embeds, embeds], whole.sigmas, 4,
+                                       sampler=kind, eta=0.7, cfg_scale=policy.default_cfg_scale,
+                                       generator=gen, keep=True, sde_window=sde_window)
+    assert torch.equal(latents, whole.latents) and torch.equal(logps, whole.logps)
+
+
+def test_sde_generation_does_not_depend_on_the_batch_split(policies):
+    def gen(batch_size):
+        return generate(policies[0], PROMPTS, num_steps=4, sampler="flow", eta=0.7,
+                        generator=torch.Generator().manual_seed(3), batch_size=batch_size)
+
+    torch.testing.assert_close(gen(1), gen(64), rtol=1e-4, atol=1e-4)
+
+
 def test_trained_transitions():
     from chunk_grpo.chunking import trained_transitions
 
