@@ -124,7 +124,7 @@ def _dance_layout(tr, step: int) -> dict:
     cfg, policy, times = tr.cfg, tr.policy, {}
     prompts = D.sample_prompts(tr.train_prompts, cfg.prompts_per_step, seed=cfg.seed,
                                step=step, info=tr.info)
-    sigmas = flux_sigmas(cfg.num_steps, cfg.shift)
+    sigmas = flux_sigmas(cfg.num_steps, tr.shift)
     gen = torch.Generator().manual_seed(step)
     kw = dict(eta=cfg.eta, kind=cfg.sde_kind, sigma_max=float(sigmas[1]), backend="reference")
     t0 = time.perf_counter()

@@ -40,6 +40,7 @@ class TrainConfig:
     # --- sampling (rollouts) ----------------------------------------------------------
     num_steps: int = 10  # T: sampling steps in training; the last transition is not trained
     shift: float = 3.0
+    dynamic_shift: bool = False  # FLUX's resolution-dependent shift from the token count instead
     sde_kind: str = "flow"  # flow | dance | cps | cps_mse
     eta: float = 0.7
     cfg_scale: float | None = None  # None = the model's default_cfg_scale

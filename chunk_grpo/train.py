@@ -50,6 +50,7 @@ from chunk_grpo.policy_setup import (
 from chunk_grpo.policy_update import optimizer_step_after, plan_units, update_policy
 from chunk_grpo.profile import measure_dynamics, propose_chunks, save_profile
 from chunk_grpo.rollout import sample_rollouts
+from chunk_grpo.schedule import dynamic_shift
 from chunk_grpo.stats import mean_ci95
 
 
@@ -77,6 +78,10 @@ class Trainer:
     logger: MetricsLogger
     base_policy: object = None  # frozen base for hybrid evaluation
     base_eval_rewards: torch.Tensor | None = None  # the base's rewards on the eval images
+
+    @property
+    def shift(self) -> float:
+        return sampling_shift(self.cfg, self.policy)
 
     @property
     def cfg_scale(self) -> float:
@@ -109,7 +114,7 @@ def train_iteration(tr: Trainer, step: int) -> tuple[dict, bool]:
     with timer("rollout"):
         rollout = sample_rollouts(
             tr.policy, prompts, group_size=cfg.group_size, num_steps=cfg.num_steps,
-            shift=cfg.shift, kind=cfg.sde_kind, eta=cfg.eta, cfg_scale=tr.cfg_scale,
+            shift=tr.shift, kind=cfg.sde_kind, eta=cfg.eta, cfg_scale=tr.cfg_scale,
             generator=D.step_generator(cfg.seed, step, info.rank, "rollout"),
             batch_size=cfg.rollout_batch_size, shared_noise=cfg.shared_noise,
             decode=cfg.decode, mixed_precision=cfg.mixed_precision, sde_window=cfg.sde_window)
@@ -223,6 +228,15 @@ def _prompt_list(spec: str) -> list[str]:
     return load_prompts(files.get(spec, spec))
 
 
+def sampling_shift(cfg: TrainConfig, policy) -> float:
+    """The rollouts' sigma shift: ``cfg.shift``, or with ``dynamic_shift`` FLUX's
+    resolution-dependent exp(mu) from the image's latent token count."""
+    if not cfg.dynamic_shift:
+        return cfg.shift
+    rows, cols = policy.latent_grid()
+    return dynamic_shift(rows * cols)
+
+
 def _model_path(spec: str) -> str:
     from chunk_grpo.models import EMBEDDED_MODEL
 
@@ -246,7 +260,8 @@ def resolve_layout(cfg: TrainConfig, policy, run_dir: Path, info: D.DistInfo
     curve = None
     if layout is None or cfg.weighted_chunks:
         prompts = _prompt_list(cfg.train_prompts)[:cfg.profile_prompts]
-        curve = measure_dynamics(policy, prompts, num_steps=cfg.num_steps, shift=cfg.shift,
+        curve = measure_dynamics(policy, prompts, num_steps=cfg.num_steps,
+                                 shift=sampling_shift(cfg, policy),
                                  cfg_scale=cfg.cfg_scale, seed=cfg.seed,
                                  batch_size=cfg.rollout_batch_size)
         if layout is None:

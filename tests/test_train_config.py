@@ -96,3 +96,25 @@ def test_sde_window_sets_the_trained_transitions():
 def test_invalid_values(overrides, match):
     with pytest.raises(ConfigError, match=match):
         build_config(None, overrides)
+
+
+def test_dynamic_shift_follows_the_token_count(tmp_path):
+    """dynamic_shift replaces `shift` by FLUX's exp(mu) of the image's latent token count."""
+    import math
+
+    from trainer_utils import tiny_model_dir
+
+    from chunk_grpo.models import FluxPolicy
+    from chunk_grpo.schedule import dynamic_shift
+    from chunk_grpo.train import sampling_shift
+
+    policy = FluxPolicy.from_pretrained(tiny_model_dir(tmp_path))  # 32x32: a 4x4 token grid
+    fixed = build_config(None, {"shift": 2.0})
+    assert sampling_shift(fixed, policy) == 2.0
+    dyn = build_config(None, {"shift": 2.0, "dynamic_shift": True})
+    assert sampling_shift(dyn, policy) == dynamic_shift(16)
+    policy.height = policy.width = 64  # 8x8 tokens
+    assert sampling_shift(dyn, policy) == pytest.approx(
+        math.exp(0.5 + 0.65 / 3840 * (64 - 256)))
+    # FLUX.1-dev at 720x720 (45x45 tokens): the value the preset's comment gives
+    assert dynamic_shift(45 * 45) == pytest.approx(2.22, abs=0.005)
