@@ -1,7 +1,7 @@
 """Is there anything to learn? The policy-gradient signal-to-noise ratio of a training config.
 
-    python -m chunk_grpo.gradient_snr [--iterations 16] [--first-step 0] [--json FILE]
-                                      [any flag of python -m chunk_grpo.train]
+    python -m chunk_grpo.gradient_snr [--iterations 16] [--first-step 0] [--per-chunk]
+                                      [--json FILE] [any flag of python -m chunk_grpo.train]
 
 Runs K independent training iterations with the trainer's own code (prompts, group rollouts,
 reward, advantages, chunk losses, backward) at the *same* weights, keeping each iteration's
@@ -10,6 +10,9 @@ plus the noise of one iteration. The mean dot product over pairs i != j estimate
 bias; the mean |g_i|^2 minus it estimates E|n|^2. Their ratio, SNR^2 per iteration, says how many
 iterations the optimizer must average before the gradient's direction shows through the noise:
 about 1 / SNR^2. Error bars are jackknife standard errors over the K iterations.
+
+`--per-chunk` also measures each chunk's own gradient (every chunk trained each iteration):
+which chunks of the trajectory carry signal, and which only add noise.
 
 Gradients are taken before clipping; with LoRA they are those of the adapter weights (at the
 start, only the zero-initialised B matrices receive any).
@@ -63,12 +66,12 @@ def snr_statistics(grads: torch.Tensor) -> dict[str, float]:
 
 
 class _KeepGradient:
-    """Stands in for the optimizer: sums the gradient of every would-be step, never moves."""
+    """Stands in for the optimizer: keeps the gradient of every would-be step, never moves."""
 
     def __init__(self, params: list[torch.nn.Parameter]):
         self.params = params
         self.param_groups = [{"lr": 0.0}]
-        self.total: torch.Tensor | None = None
+        self.steps: list[torch.Tensor] = []
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
@@ -77,7 +80,7 @@ class _KeepGradient:
     def step(self) -> None:
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
                           .float().cpu() for p in self.params])
-        self.total = flat if self.total is None else self.total + flat
+        self.steps.append(flat)
 
 
 class _NoSchedule:
@@ -85,36 +88,59 @@ class _NoSchedule:
         pass
 
 
-def iteration_gradients(tr, steps: list[int], progress: bool = True
-                        ) -> tuple[torch.Tensor, list[float]]:
+def iteration_gradients(tr, steps: list[int], progress: bool = True, per_chunk: bool = False
+                        ) -> tuple[torch.Tensor | dict[int, torch.Tensor], list[float]]:
     """The gradient [len(steps), P] of each listed iteration at the trainer's current weights,
-    and each iteration's mean reward. The trainer's optimizer, schedule and EMA are untouched."""
+    and each iteration's mean reward. The trainer's optimizer, schedule and EMA are untouched.
+
+    ``per_chunk``: every chunk is trained each iteration and the gradients come back per chunk,
+    {chunk: [len(steps), P]} (each unit gets its own would-be optimizer step; the units of a
+    micro-batch are its chunks in order, as `plan_units` lays them out).
+    """
     from tqdm.auto import tqdm
 
     from chunk_grpo.train import train_iteration
 
     saved = (tr.optimizer, tr.scheduler, tr.ema, tr.cfg)
     # Raw gradients: clipping would rescale each iteration by its own noise.
-    tr.cfg = dataclasses.replace(tr.cfg, max_grad_norm=math.inf, image_grid_every=0)
+    changes = dict(max_grad_norm=math.inf, image_grid_every=0)
+    if per_chunk:
+        changes.update(chunk_fraction=1.0, grad_accum=1)
+    tr.cfg = dataclasses.replace(tr.cfg, **changes)
     tr.scheduler, tr.ema = _NoSchedule(), None
-    grads, rewards = [], []
+    grads: dict[int, list[torch.Tensor]] = {}
+    rewards = []
     try:
         for step in tqdm(steps, desc="gradient-snr", disable=not progress):
             keep = tr.optimizer = _KeepGradient(tr.params)
             metrics, finite = train_iteration(tr, step)
-            if not finite or keep.total is None:
+            if not finite or not keep.steps:
                 raise RuntimeError(f"iteration {step} gave a non-finite reward, loss or gradient; "
                                    "check the reward and the learning setup")
-            grads.append(keep.total)
+            if per_chunk:
+                chunks = [int(j) for j in metrics["chunks_trained"].split(",")]
+                if len(keep.steps) % len(chunks):
+                    raise RuntimeError("per-chunk gradients: the units do not match the chunks")
+                this: dict[int, torch.Tensor] = {}
+                for k, flat in enumerate(keep.steps):
+                    j = chunks[k % len(chunks)]
+                    this[j] = flat if j not in this else this[j] + flat
+                for j, flat in this.items():
+                    grads.setdefault(j, []).append(flat)
+            else:
+                grads.setdefault(0, []).append(torch.stack(keep.steps).sum(0))
             rewards.append(metrics["reward_mean"])
     finally:
         tr.optimizer, tr.scheduler, tr.ema, tr.cfg = saved
-    return torch.stack(grads), rewards
+    if per_chunk:
+        return {j: torch.stack(g) for j, g in sorted(grads.items())}, rewards
+    return torch.stack(grads[0]), rewards
 
 
 def measure(cfg: TrainConfig, iterations: int = 16, first_step: int = 0,
-            progress: bool = True) -> dict:
-    """Build the trainer for ``cfg`` (in a scratch directory) and measure its gradient SNR."""
+            progress: bool = True, per_chunk: bool = False) -> dict:
+    """Build the trainer for ``cfg`` (in a scratch directory) and measure its gradient SNR;
+    ``per_chunk`` adds {"chunks": {j: statistics of chunk j's gradient, with its "steps"}}."""
     from chunk_grpo.train import build_trainer
 
     if iterations < 3:
@@ -128,13 +154,29 @@ def measure(cfg: TrainConfig, iterations: int = 16, first_step: int = 0,
         tr = build_trainer(cfg, Path(scratch), info)
         start = time.perf_counter()
         grads, rewards = iteration_gradients(
-            tr, list(range(first_step, first_step + iterations)), progress=progress)
+            tr, list(range(first_step, first_step + iterations)), progress=progress,
+            per_chunk=per_chunk)
         seconds = (time.perf_counter() - start) / iterations
         tr.logger.close()
-    stats = snr_statistics(grads)
+        layout = tr.layout
+    if per_chunk:
+        stats = snr_statistics(sum(grads.values()))
+        stats["chunks"] = {j: dict(snr_statistics(g), steps=layout.steps(j))
+                           for j, g in grads.items()}
+    else:
+        stats = snr_statistics(grads)
     stats.update(images_per_iteration=cfg.prompts_per_step * cfg.group_size,
                  reward_mean=sum(rewards) / len(rewards), seconds_per_iteration=seconds)
     return stats
+
+
+def _verdict(snr2: float, err: float) -> str:
+    if snr2 > 2 * err and snr2 > 0:
+        return f"the direction shows through the noise after about {math.ceil(1 / snr2)} iterations"
+    bound = max(snr2, 0.0) + 2 * err
+    many = math.floor(1 / bound) if bound > 0 else "many"
+    return (f"no signal detected: SNR^2 below {bound:.4f}, so the optimizer needs more than "
+            f"{many} iterations to see the direction")
 
 
 def summary(stats: dict) -> str:
@@ -146,15 +188,12 @@ def summary(stats: dict) -> str:
         f"{stats['noise']:.3e}",
         f"  SNR^2 per iteration = {snr2:.4f} +- {err:.4f} (jackknife s.e.); mean pairwise "
         f"cosine {stats['mean_pairwise_cosine']:.4f}",
+        f"  {_verdict(snr2, err)}",
     ]
-    if snr2 > 2 * err and snr2 > 0:
-        lines.append(f"  the gradient's direction shows through its noise after about "
-                     f"{math.ceil(1 / snr2)} iterations")
-    else:
-        bound = max(snr2, 0.0) + 2 * err
-        lines.append(f"  no signal detected: SNR^2 below {bound:.4f}, so the optimizer needs "
-                     f"more than {math.floor(1 / bound) if bound > 0 else 'many'} iterations "
-                     "to see the gradient's direction")
+    for j, chunk in stats.get("chunks", {}).items():
+        lines.append(f"  chunk {j} (steps {chunk['steps']}): SNR^2 "
+                     f"{chunk['snr2_per_iteration']:.4f} +- {chunk['snr2_stderr']:.4f}; "
+                     f"{_verdict(chunk['snr2_per_iteration'], chunk['snr2_stderr'])}")
     lines.append(f"  mean reward {stats['reward_mean']:.3f}; "
                  f"{stats['seconds_per_iteration']:.2f} s per iteration")
     return "\n".join(lines)
@@ -169,13 +208,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="independent iterations K (>= 3; default 16)")
     parser.add_argument("--first-step", type=int, default=0,
                         help="iteration index of the first one (selects prompts and noise)")
+    parser.add_argument("--per-chunk", action="store_true",
+                        help="also measure each chunk's own gradient (trains every chunk)")
     parser.add_argument("--json", metavar="FILE", help="also write the statistics here")
     args, rest = parser.parse_known_args(argv)
     yaml_path, overrides, resume = parse_args(rest, prog=parser.prog)
     if resume:
         raise ConfigError("gradient_snr measures a config; --resume is not supported")
     cfg = build_config(yaml_path, overrides)
-    stats = measure(cfg, args.iterations, args.first_step, progress=cfg.progress)
+    stats = measure(cfg, args.iterations, args.first_step, progress=cfg.progress,
+                    per_chunk=args.per_chunk)
     print(summary(stats), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(stats, indent=2) + "\n")

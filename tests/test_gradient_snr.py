@@ -77,6 +77,30 @@ def test_gradients_leave_the_trainer_as_it_was(model_dir, tmp_path):
     assert torch.equal(again[0], grads[1]) and not torch.equal(grads[0], grads[1])
 
 
+def test_per_chunk_gradients_add_up_to_the_iteration_gradient(model_dir, tmp_path):
+    cfg = tiny_config(model_dir, tmp_path / "run", chunk_fraction=1.0)  # chunks 2,2; 2 batches
+    tr = build_trainer(cfg, tmp_path / "run", D.init_distributed("cpu"))
+    total, _ = iteration_gradients(tr, [0, 1, 2], progress=False)
+    by_chunk, _ = iteration_gradients(tr, [0, 1, 2], progress=False, per_chunk=True)
+    assert sorted(by_chunk) == [0, 1] and by_chunk[0].shape == total.shape
+    assert not torch.allclose(by_chunk[0], by_chunk[1])
+    # per chunk, every unit is its own step (loss not divided by the 4 units of the iteration)
+    scale = float(total.abs().max())  # fp32 sums in another order: relative to the largest
+    torch.testing.assert_close((by_chunk[0] + by_chunk[1]) / 4, total, rtol=1e-4,
+                               atol=1e-5 * scale)
+    # On-policy, a chunk's gradient is the mean of its steps' (DESIGN's geometric-mean ratio):
+    # the step-level layout of the same rollouts pins which gradient went to which chunk.
+    steps_cfg = tiny_config(model_dir, tmp_path / "run", chunk_fraction=1.0, chunks="step")
+    step_tr = build_trainer(steps_cfg, tmp_path / "run", D.init_distributed("cpu"))
+    by_step, _ = iteration_gradients(step_tr, [0, 1, 2], progress=False, per_chunk=True)
+    for j, (a, b) in enumerate([(0, 1), (2, 3)]):
+        torch.testing.assert_close(by_chunk[j], (by_step[a] + by_step[b]) / 2, rtol=1e-4,
+                                   atol=1e-5 * scale)
+    stats = measure(cfg, iterations=3, progress=False, per_chunk=True)
+    assert [stats["chunks"][j]["steps"] for j in (0, 1)] == [[0, 1], [2, 3]]
+    assert stats["iterations"] == 3 and stats["chunks"][1]["iterations"] == 3
+
+
 def test_an_image_blind_reward_shows_no_signal(model_dir, tmp_path):
     blind = measure(tiny_config(model_dir, tmp_path / "b", reward="test_image_blind"),
                     iterations=8, progress=False)
@@ -91,10 +115,12 @@ def test_cli_prints_and_writes_json(model_dir, tmp_path, capsys):
             "--reward", "test_brightness", "--num-steps", "4", "--group-size", "2",
             "--prompts-per-step", "2", "--chunks", "3", "--sde-window", "0",
             "--lora-rank", "0", "--progress", "false", "--eval-hybrid-steps", "0"]
-    main(args)
-    assert "SNR^2 per iteration" in capsys.readouterr().out
+    main(args + ["--per-chunk"])
+    printed = capsys.readouterr().out
+    assert "SNR^2 per iteration" in printed and "chunk 0 (steps [0, 1, 2])" in printed
     stats = json.loads(out.read_text())
     assert stats["iterations"] == 3 and stats["images_per_iteration"] == 4
+    assert stats["chunks"]["0"]["steps"] == [0, 1, 2]
     with pytest.raises(ConfigError, match="iterations"):
         main(args[:1] + ["2"] + args[2:])
     with pytest.raises(ConfigError, match="unknown config key"):
