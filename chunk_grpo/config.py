@@ -47,6 +47,7 @@ class TrainConfig:
     group_size: int = 8  # G images per prompt
     prompts_per_step: int = 8  # prompts per rank per iteration
     shared_noise: bool = True  # same initial noise for the whole group
+    antithetic_noise: bool = False  # image pairs in a group draw opposite noise (even G)
     sde_window: int = 3  # k > 0: only the first k steps are SDE (and trained), the rest ODE
     decode: str = "final"  # final latent | x0 (the last step's clean prediction)
     rollout_batch_size: int = 64  # rows per rollout transformer call
@@ -136,6 +137,9 @@ class TrainConfig:
         if self.group_size < 2 and self.adv_norm != "none":
             raise ConfigError("group_size must be >= 2 for group advantages; "
                               "set adv_norm: none for single samples")
+        if self.antithetic_noise and self.group_size % 2:
+            raise ConfigError(f"antithetic_noise pairs the images of a group: group_size must be "
+                              f"even, got {self.group_size}")
         if not 0.0 < self.chunk_fraction <= 1.0:
             raise ConfigError(f"chunk_fraction must be in (0, 1], got {self.chunk_fraction}")
         if self.chunk_size is not None and self.chunk_size < 1:

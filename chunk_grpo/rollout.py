@@ -121,13 +121,19 @@ def denoise(policies, x: torch.Tensor, embeds: list, sigmas: torch.Tensor,
 def sample_rollouts(policy, prompts: list[str], *, group_size: int, num_steps: int,
                     shift: float, kind: str, eta: float, cfg_scale: float | None = None,
                     generator: torch.Generator | None = None, batch_size: int = 64,
-                    shared_noise: bool = False, decode: str = "final",
+                    shared_noise: bool = False, antithetic_noise: bool = False,
+                    decode: str = "final",
                     mixed_precision: str = "no", sde_window: int = 0) -> Rollout:
     """G trajectories per prompt with the SDE sampler, keeping x_t for every t and the log-probs.
 
     ``sde_window`` k > 0 samples only the first k steps stochastically and the rest with the
     ODE (the Flow-GRPO-Fast / MixGRPO idea): with shared initial noise, every difference within
     a group then comes from the trained high-noise transitions.
+
+    ``antithetic_noise`` pairs rows 2i and 2i+1 of a group: the second takes the negated noise
+    of the first (initial noise too unless shared). Each image's noise is still standard normal,
+    so its log-probs and the estimator's expectation are unchanged; the reward's even part in
+    the noise cancels within a pair. Needs an even group size.
 
     Rows are prompt-major (rows p*G .. p*G+G-1 belong to prompt p). The transformer sees
     ``batch_size`` rows at a time; prompts are encoded once.
@@ -141,11 +147,17 @@ def sample_rollouts(policy, prompts: list[str], *, group_size: int, num_steps: i
     prompt_embeds = policy.encode_prompts(list(prompts))
     rows = len(prompts) * group_size
     prompt_index = torch.arange(len(prompts)).repeat_interleave(group_size)
+    if antithetic_noise and group_size % 2:
+        raise ValueError(f"antithetic_noise needs an even group_size, got {group_size}")
     if shared_noise:
         noise = policy.initial_noise(len(prompts), generator).repeat_interleave(group_size, 0)
     else:
         noise = policy.initial_noise(rows, generator)
     step_noise = draw_step_noise(rows, tuple(noise.shape[1:]), num_steps, sde_window, generator)
+    if antithetic_noise:  # rows are prompt-major and G is even: pairs never cross a group
+        step_noise[:, 1::2] = -step_noise[:, 0::2]
+        if not shared_noise:
+            noise[1::2] = -noise[0::2]
     all_latents, all_logps, images = [], [], []
     for start in range(0, rows, batch_size):
         idx = prompt_index[start:start + batch_size]

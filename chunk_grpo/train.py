@@ -117,6 +117,7 @@ def train_iteration(tr: Trainer, step: int) -> tuple[dict, bool]:
             shift=tr.shift, kind=cfg.sde_kind, eta=cfg.eta, cfg_scale=tr.cfg_scale,
             generator=D.step_generator(cfg.seed, step, info.rank, "rollout"),
             batch_size=cfg.rollout_batch_size, shared_noise=cfg.shared_noise,
+            antithetic_noise=cfg.antithetic_noise,
             decode=cfg.decode, mixed_precision=cfg.mixed_precision, sde_window=cfg.sde_window)
 
     # 3. score the decoded images

@@ -118,3 +118,9 @@ def test_dynamic_shift_follows_the_token_count(tmp_path):
         math.exp(0.5 + 0.65 / 3840 * (64 - 256)))
     # FLUX.1-dev at 720x720 (45x45 tokens): the value the preset's comment gives
     assert dynamic_shift(45 * 45) == pytest.approx(2.22, abs=0.005)
+
+
+def test_antithetic_noise_needs_an_even_group():
+    assert build_config(None, {"antithetic_noise": True, "group_size": 8}).antithetic_noise
+    with pytest.raises(ConfigError, match="group_size must be even"):
+        build_config(None, {"antithetic_noise": True, "group_size": 7})

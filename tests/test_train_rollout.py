@@ -149,3 +149,25 @@ def test_generate_hybrid(policies):
 def test_generate_bad_arguments(policies, kwargs, match):
     with pytest.raises(ValueError, match=match):
         generate(policies[0], PROMPTS, num_steps=4, **kwargs)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_antithetic_pairs_take_opposite_noise(policies, shared):
+    policy, _ = policies
+    kw = dict(group_size=4, num_steps=4, shift=3.0, kind="flow", eta=0.7, shared_noise=shared,
+              generator=torch.Generator().manual_seed(2))
+    r = sample_rollouts(policy, PROMPTS[:2], antithetic_noise=True, **kw)
+    x0 = r.latents[:, 0]
+    if shared:
+        assert torch.equal(x0[0], x0[1]) and torch.equal(x0[0], x0[3])
+        # same start, opposite first-step noise: the pair is symmetric about the step's mean,
+        # so both transitions have the same log-prob
+        torch.testing.assert_close(r.logps[0::2, 0], r.logps[1::2, 0], rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(x0[1::2], -x0[0::2]) and not torch.equal(x0[0], -x0[2])
+    assert not torch.equal(r.latents[0, -1], r.latents[1, -1])
+    plain = sample_rollouts(policy, PROMPTS[:2], **dict(kw, generator=torch.Generator()
+                                                        .manual_seed(2)))
+    assert torch.equal(plain.latents[0::2], r.latents[0::2])  # the first of each pair as before
+    with pytest.raises(ValueError, match="even group_size"):
+        sample_rollouts(policy, PROMPTS[:2], antithetic_noise=True, **dict(kw, group_size=3))
