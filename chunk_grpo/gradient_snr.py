@@ -66,12 +66,14 @@ def snr_statistics(grads: torch.Tensor) -> dict[str, float]:
 
 
 class _KeepGradient:
-    """Stands in for the optimizer: keeps the gradient of every would-be step, never moves."""
+    """Stands in for the optimizer and never moves: sums the gradient of would-be step k into
+    ``sums[k % period]`` (period 1: one total; the chunk count: one sum per chunk)."""
 
-    def __init__(self, params: list[torch.nn.Parameter]):
+    def __init__(self, params: list[torch.nn.Parameter], period: int = 1):
         self.params = params
         self.param_groups = [{"lr": 0.0}]
-        self.steps: list[torch.Tensor] = []
+        self.sums: list[torch.Tensor | None] = [None] * period
+        self.count = 0
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
@@ -80,7 +82,9 @@ class _KeepGradient:
     def step(self) -> None:
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
                           .float().cpu() for p in self.params])
-        self.steps.append(flat)
+        k = self.count % len(self.sums)
+        self.sums[k] = flat if self.sums[k] is None else self.sums[k] + flat
+        self.count += 1
 
 
 class _NoSchedule:
@@ -94,8 +98,8 @@ def iteration_gradients(tr, steps: list[int], progress: bool = True, per_chunk: 
     and each iteration's mean reward. The trainer's optimizer, schedule and EMA are untouched.
 
     ``per_chunk``: every chunk is trained each iteration and the gradients come back per chunk,
-    {chunk: [len(steps), P]} (each unit gets its own would-be optimizer step; the units of a
-    micro-batch are its chunks in order, as `plan_units` lays them out).
+    {chunk: [len(steps), P]} (each unit gets its own would-be optimizer step; a micro-batch's
+    units are every chunk in order, as `plan_units` lays them out).
     """
     from tqdm.auto import tqdm
 
@@ -108,32 +112,26 @@ def iteration_gradients(tr, steps: list[int], progress: bool = True, per_chunk: 
         changes.update(chunk_fraction=1.0, grad_accum=1)
     tr.cfg = dataclasses.replace(tr.cfg, **changes)
     tr.scheduler, tr.ema = _NoSchedule(), None
-    grads: dict[int, list[torch.Tensor]] = {}
+    period = tr.layout.num_chunks if per_chunk else 1
+    grads: list[list[torch.Tensor]] = [[] for _ in range(period)]
     rewards = []
     try:
         for step in tqdm(steps, desc="gradient-snr", disable=not progress):
-            keep = tr.optimizer = _KeepGradient(tr.params)
+            keep = tr.optimizer = _KeepGradient(tr.params, period)
             metrics, finite = train_iteration(tr, step)
-            if not finite or not keep.steps:
+            if not finite or keep.count == 0:
                 raise RuntimeError(f"iteration {step} gave a non-finite reward, loss or gradient; "
                                    "check the reward and the learning setup")
-            if per_chunk:
-                chunks = [int(j) for j in metrics["chunks_trained"].split(",")]
-                if len(keep.steps) % len(chunks):
-                    raise RuntimeError("per-chunk gradients: the units do not match the chunks")
-                this: dict[int, torch.Tensor] = {}
-                for k, flat in enumerate(keep.steps):
-                    j = chunks[k % len(chunks)]
-                    this[j] = flat if j not in this else this[j] + flat
-                for j, flat in this.items():
-                    grads.setdefault(j, []).append(flat)
-            else:
-                grads.setdefault(0, []).append(torch.stack(keep.steps).sum(0))
+            if per_chunk and (keep.count % period or metrics["chunks_trained"]
+                              != ",".join(str(j) for j in range(period))):
+                raise RuntimeError("per-chunk gradients: the units do not match the chunks")
+            for j, total in enumerate(keep.sums):
+                grads[j].append(total)
             rewards.append(metrics["reward_mean"])
     finally:
         tr.optimizer, tr.scheduler, tr.ema, tr.cfg = saved
     if per_chunk:
-        return {j: torch.stack(g) for j, g in sorted(grads.items())}, rewards
+        return {j: torch.stack(g) for j, g in enumerate(grads)}, rewards
     return torch.stack(grads[0]), rewards
 
 
