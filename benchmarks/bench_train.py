@@ -31,7 +31,7 @@ from chunk_grpo import distributed as D
 from chunk_grpo.advantages import group_advantages
 from chunk_grpo.chunking import select_chunks
 from chunk_grpo.config import TrainConfig
-from chunk_grpo.rollout import autocast_context
+from chunk_grpo.rollout import autocast_context, sde_steps
 from chunk_grpo.schedule import flux_sigmas
 from chunk_grpo.train import build_trainer, train_iteration
 
@@ -129,7 +129,7 @@ def _dance_layout(tr, step: int) -> dict:
     kw = dict(eta=cfg.eta, kind=cfg.sde_kind, sigma_max=float(sigmas[1]), backend="reference")
     t0 = time.perf_counter()
     latents, images, rows_prompt, embeds = [], [], [], []
-    window = cfg.sde_window or cfg.num_steps  # steps t < window are SDE steps, as in denoise
+    window = sde_steps(cfg.num_steps, cfg.sde_window)  # steps t < window are SDE steps
     with torch.no_grad():
         for p in prompts:
             emb = policy.encode_prompts([p])

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import torch
 
-import grpo_kernels
-from chunk_grpo.rollout import autocast_context, denoise, sde_step
+from chunk_grpo.rollout import denoise
 from chunk_grpo.schedule import flux_sigmas
 
 
@@ -43,20 +42,14 @@ def reward_spread_by_step(policy, prompts: list[str], reward, *, num_steps: int,
                                 sampler="ode", eta=0.0, cfg_scale=cfg, generator=None,
                                 mixed_precision=mixed_precision, keep=True)
     ode_path = ode_path.repeat_interleave(group_size, 0)
-    group_embeds = embeds.index(rows)
+    group_embeds = [embeds.index(rows)] * 2
     out = {"sigma": [], "spread": [], "reward": []}
     for k in range(num_steps - 1):
-        x = ode_path[:, k]
-        for t in range(k, num_steps):
-            s = sigmas[t].expand(x.shape[0])
-            s_next = sigmas[t + 1].expand(x.shape[0])
-            with autocast_context(x.device, mixed_precision):
-                v = policy.velocity(x, s, group_embeds, cfg_scale=cfg).float()
-            if t == k:
-                x, _ = sde_step(x, v, s, s_next, kind=kind, eta=eta,
-                                sigma_max=float(sigmas[1]), generator=generator)
-            else:
-                x = grpo_kernels.ode_step(x, v, s, s_next)
+        # From x_k: one SDE step (a window of 1 on the schedule's tail), then the ODE.
+        x, _, _, _ = denoise([policy, policy], ode_path[:, k], group_embeds, sigmas[k:],
+                             num_steps - k, sampler=kind, eta=eta, cfg_scale=cfg,
+                             generator=generator, mixed_precision=mixed_precision,
+                             sde_window=1, sigma_max=float(sigmas[1]))
         scores = reward(policy.decode(x).float(), row_prompts).float().view(-1, group_size)
         out["sigma"].append(float(sigmas[k]))
         out["spread"].append(float(scores.std(dim=1).mean()))

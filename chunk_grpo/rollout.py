@@ -77,12 +77,15 @@ def draw_step_noise(rows: int, latent_shape: tuple[int, ...], num_steps: int, sd
 def denoise(policies, x: torch.Tensor, embeds: list, sigmas: torch.Tensor,
              switch_at: int, *, sampler: str, eta: float, cfg_scale: float,
              generator: torch.Generator | None, mixed_precision: str = "no",
-             keep: bool = False, sde_window: int = 0, step_noise: torch.Tensor | None = None):
+             keep: bool = False, sde_window: int = 0, step_noise: torch.Tensor | None = None,
+             sigma_max: float | None = None):
     """Run all steps on x; step t uses policies[0] if t < switch_at else policies[1].
 
     With an SDE ``sampler`` and ``sde_window`` k > 0, steps t >= k are ODE steps.
     ``step_noise`` [S, B, ...] holds the draws of the S = `sde_steps` leading stochastic steps
     (see `draw_step_noise`); None draws each step's noise from ``generator`` as it comes.
+    ``sigma_max``: the schedule's s_1 for the flow kind (default sigmas[1]; give it when
+    ``sigmas`` is the tail of a longer schedule).
     Returns (final x, latents [B, T+1, ...] or None, logps [B, W] or None, last x0 prediction).
     """
     steps = sigmas.numel() - 1
@@ -90,7 +93,7 @@ def denoise(policies, x: torch.Tensor, embeds: list, sigmas: torch.Tensor,
     traj = [x] if keep else None
     logps = []
     x0 = x
-    sigma_max = float(sigmas[1])
+    sigma_max = float(sigmas[1]) if sigma_max is None else sigma_max
     for t in range(steps):
         which = 0 if t < switch_at else 1
         policy = policies[which]
