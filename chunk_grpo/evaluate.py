@@ -5,8 +5,11 @@
 Defaults: the embedded tiny model and the held-out shapes prompts. Writes DIR/metrics.json
 (reward_mean, reward_ci95, n, per-attribute means when the reward has `details`, the settings),
 DIR/samples.jsonl (prompt and reward of every image) and DIR/grid.png (images captioned with
-their prompts and rewards). `evaluate_policy` is the same evaluation for code that already holds
-a FluxPolicy (the trainer's periodic evaluation).
+their prompts and rewards). With --images-per-prompt N > 1 it also reports best-of-k for k = 2, 4,
+.., N: the mean over prompts of the best of k images, the headroom that selecting among samples
+offers (GRPO's group-relative update pushes the policy towards its best-of-G).
+`evaluate_policy` is the same evaluation for code that already holds a FluxPolicy (the trainer's
+periodic evaluation).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from chunk_grpo.paired import SAMPLE_DECIMALS, paired_difference
 from chunk_grpo.rewards import Reward, get_reward
 from chunk_grpo.rollout import SDE_KINDS, generate
 from chunk_grpo.shapes import HELDOUT_PROMPTS_FILE, load_prompts
-from chunk_grpo.stats import mean_ci95
+from chunk_grpo.stats import best_of_k, mean_ci95
 
 
 @dataclass
@@ -39,6 +42,17 @@ class EvalResult:
     images: torch.Tensor  # [n, 3, H, W] in [0, 1]
     attributes: dict[str, float] = field(default_factory=dict)  # e.g. colour_acc, exact
     sampling_seconds: float = math.nan  # wall time of generate()
+    images_per_prompt: int = 1  # images are prompt-major: prompt i owns rows i*N .. i*N+N-1
+
+    def best_of(self) -> dict[int, tuple[float, float]]:
+        """k -> (mean over prompts of the expected best of k images, its 95% CI half-width),
+        for k = 2, 4, 8, .. and N itself; empty for one image per prompt."""
+        n = self.images_per_prompt
+        if n == 1:
+            return {}
+        ks = sorted({2**i for i in range(1, n.bit_length())} | {n})
+        per_prompt = self.rewards.view(-1, n).numpy()
+        return {k: mean_ci95(best_of_k(per_prompt, k)) for k in ks}
 
     def metrics(self) -> dict:
         return {
@@ -47,6 +61,7 @@ class EvalResult:
             "n": self.n,
             "sampling_seconds": self.sampling_seconds,
             **self.attributes,
+            **{f"best_of_{k}": {"mean": m, "ci95": c} for k, (m, c) in self.best_of().items()},
         }
 
 
@@ -106,7 +121,8 @@ def evaluate_policy(
         rewards = scorer(images, all_prompts)
     rewards = rewards.float().cpu()
     mean, ci = mean_ci95(rewards)
-    return EvalResult(mean, ci, len(all_prompts), rewards, all_prompts, images, attributes, seconds)
+    return EvalResult(mean, ci, len(all_prompts), rewards, all_prompts, images, attributes, seconds,
+                      images_per_prompt)
 
 
 def captioned_grid(
@@ -232,6 +248,8 @@ def main(argv: list[str] | None = None) -> EvalResult:
     )
     for key, value in result.attributes.items():
         print(f"  {key}: {value:.4f}")
+    for k, (mean, ci) in result.best_of().items():
+        print(f"  best of {k} per prompt: {mean:.4f} +- {ci:.4f}")
     if "paired" in extra:
         d = extra["paired"]
         print(f"  minus {d['baseline']}: {d['diff_mean']:+.4f} +- {d['diff_ci95']:.4f} "

@@ -54,6 +54,11 @@ def test_cli_end_to_end(model_dir, tmp_path, capsys):
         assert 0.0 <= metrics[key] <= 1.0
     assert metrics["sampling_seconds"] > 0
     assert metrics["settings"]["num_steps"] == 2 and metrics["settings"]["sampler"] == "ode"
+    # Two images per prompt: best of 2 is the mean of each prompt's better image.
+    best = result.rewards.view(3, 2).max(dim=1).values
+    assert metrics["best_of_2"]["mean"] == pytest.approx(best.mean().item())
+    assert metrics["best_of_2"]["ci95"] == pytest.approx(mean_ci95(best)[1])
+    assert "best of 2 per prompt" in printed
     rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert [r["prompt"] for r in rows] == [p for p in PROMPTS for _ in range(2)]
     from PIL import Image
@@ -86,6 +91,34 @@ def test_mean_ci95_matches_student_t():
     assert math.isnan(mean_ci95([0.3])[1])
     with pytest.raises(ValueError, match="at least one"):
         mean_ci95([])
+
+
+def test_best_of_k_is_the_mean_best_over_every_k_subset():
+    import itertools
+
+    from chunk_grpo.stats import best_of_k
+
+    rewards = torch.rand(4, 6, generator=torch.Generator().manual_seed(0))
+    for k in range(1, 7):
+        brute = [sum(max(row[list(s)]) for s in itertools.combinations(range(6), k))
+                 / math.comb(6, k) for row in rewards]
+        assert best_of_k(rewards, k) == pytest.approx([float(b) for b in brute], abs=1e-6)
+    assert best_of_k(rewards, 1) == pytest.approx(rewards.mean(dim=1).tolist(), abs=1e-6)
+    assert best_of_k(torch.tensor([[0.2, 0.2, 0.9]]), 3) == pytest.approx([0.9])
+    with pytest.raises(ValueError, match="k must be in 1..6"):
+        best_of_k(rewards, 7)
+    with pytest.raises(ValueError, match=r"\[prompts, images per prompt\]"):
+        best_of_k(rewards.flatten(), 2)
+
+
+def test_best_of_reports_powers_of_two_and_n(policy):
+    one = evaluate_policy(policy, PROMPTS[:2], num_steps=2, images_per_prompt=1)
+    assert one.best_of() == {} and not any(k.startswith("best_of") for k in one.metrics())
+    six = evaluate_policy(policy, PROMPTS[:2], num_steps=2, images_per_prompt=6)
+    assert list(six.best_of()) == [2, 4, 6]
+    assert six.best_of()[6][0] == pytest.approx(six.rewards.view(2, 6).max(1).values.mean().item())
+    means = [mean for mean, _ in six.best_of().values()]
+    assert means == sorted(means) and means[0] >= six.reward_mean - 1e-6
 
 
 def test_bad_arguments(policy, model_dir, tmp_path):
