@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import sys
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,16 @@ from chunk_grpo.chunking import ChunkSpecError, parse_chunk_spec, trained_transi
 
 class ConfigError(ValueError):
     """A configuration value or key is invalid; the message names it and the fix."""
+
+
+def run_command(main: Callable[[], object], prog: str) -> None:
+    """Run a command-line entry point: a ConfigError prints one line and exits with status 2,
+    as argparse does for bad flags, instead of a traceback (its message already says the fix)."""
+    try:
+        main()
+    except ConfigError as err:
+        sys.stderr.write(f"{prog}: error: {err}\n")
+        raise SystemExit(2) from None
 
 
 @dataclass

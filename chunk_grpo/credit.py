@@ -76,10 +76,14 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="credit")
     args = parser.parse_args(argv)
+    try:
+        reward = get_reward(args.reward)
+    except ValueError as err:
+        parser.error(f"--reward: {err}")
     policy = FluxPolicy.from_pretrained(args.model)
     prompts = load_prompts(args.prompts_file)[:args.prompts]
     result = reward_spread_by_step(
-        policy, prompts, get_reward(args.reward), num_steps=args.num_steps, shift=args.shift,
+        policy, prompts, reward, num_steps=args.num_steps, shift=args.shift,
         kind=args.kind, eta=args.eta, group_size=args.group_size, seed=args.seed)
     print("step  sigma   within-group reward std   mean reward")
     for k, (s, spread, r) in enumerate(zip(result["sigma"], result["spread"], result["reward"],

@@ -203,6 +203,10 @@ def main(argv: list[str] | None = None) -> EvalResult:
     args = _parser().parse_args(argv)
     if args.hybrid_steps and args.hybrid_base is None:
         raise SystemExit("--hybrid-steps needs --hybrid-base (the base model for the rest)")
+    try:
+        scorer = get_reward(args.reward)
+    except ValueError as err:
+        raise SystemExit(f"--reward: {err}") from None
     prompts = load_prompts(args.prompts)
     if args.max_prompts is not None:
         if args.max_prompts < 1:
@@ -215,7 +219,7 @@ def main(argv: list[str] | None = None) -> EvalResult:
     result = evaluate_policy(
         policy,
         prompts,
-        reward=args.reward,
+        reward=scorer,
         num_steps=args.steps,
         shift=args.shift,
         sampler=args.sampler,

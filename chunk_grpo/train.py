@@ -37,6 +37,7 @@ from chunk_grpo.config import (
     build_config,
     load_yaml,
     parse_args,
+    run_command,
     save_config,
 )
 from chunk_grpo.metrics import MetricsLogger, save_image_grid
@@ -276,13 +277,31 @@ def _default_run_dir() -> Path:
     return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
 
 
-def build_trainer(cfg: TrainConfig, run_dir: Path, info: D.DistInfo,
-                  layout: ChunkLayout | None = None, curve: torch.Tensor | None = None
-                  ) -> Trainer:
+def resolve_reward(cfg: TrainConfig):
+    """The configured reward, or a ConfigError that says how to name one."""
     from chunk_grpo.rewards import get_reward
 
+    try:
+        return get_reward(cfg.reward)
+    except ValueError as err:
+        raise ConfigError(f"reward: {err}") from err
+
+
+def build_trainer(cfg: TrainConfig, run_dir: Path, info: D.DistInfo,
+                  layout: ChunkLayout | None = None, curve: torch.Tensor | None = None,
+                  reward_fn=None) -> Trainer:
+    """Everything an iteration needs; ``reward_fn`` is built from the config unless given."""
+    if reward_fn is None:
+        reward_fn = resolve_reward(cfg)
     torch.manual_seed(cfg.seed)
     policy = load_policy(cfg, info.device)
+    eval_steps = policy.defaults.num_steps  # evaluation samples as `chunk_grpo.evaluate` does
+    if cfg.eval_hybrid_steps > eval_steps:
+        # Checked here, not at the first evaluation, which may come only at the end of the run.
+        raise ConfigError(f"eval_hybrid_steps={cfg.eval_hybrid_steps} exceeds the {eval_steps} "
+                          f"steps evaluation samples with (the model's default num_steps); set "
+                          f"--eval-hybrid-steps to at most {eval_steps}, or 0 to skip hybrid "
+                          f"evaluation")
     if layout is None:
         layout, curve = resolve_layout(cfg, policy, run_dir, info)
     params = prepare_transformer(
@@ -310,7 +329,7 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, info: D.DistInfo,
     weights = layout.chunk_weights(curve) if curve is not None else None
     return Trainer(cfg=cfg, info=info, run_dir=run_dir, policy=policy, params=params,
                    optimizer=optimizer, scheduler=scheduler, ema=ema,
-                   reward_fn=get_reward(cfg.reward), train_prompts=_prompt_list(cfg.train_prompts),
+                   reward_fn=reward_fn, train_prompts=_prompt_list(cfg.train_prompts),
                    eval_prompts=_prompt_list(cfg.eval_prompts), layout=layout,
                    chunk_weights=weights, logger=MetricsLogger(run_dir, enabled=info.is_main),
                    base_policy=base)
@@ -346,6 +365,7 @@ def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = F
     ``on_step_end(step, metrics)`` is called after every iteration (e.g. to stop early).
     """
     info = D.init_distributed(cfg.device)
+    reward_fn = resolve_reward(cfg)  # before the run directory: a misspelt reward leaves nothing
     run_dir = Path(run_dir or cfg.output_dir or _default_run_dir())
     start, bad_streak, state = 0, 0, None
     layout = curve = None
@@ -361,7 +381,7 @@ def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = F
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
     D.barrier(info)
-    tr = build_trainer(cfg, run_dir, info, layout=layout, curve=curve)
+    tr = build_trainer(cfg, run_dir, info, layout=layout, curve=curve, reward_fn=reward_fn)
     if state is not None:
         tr.chunk_weights = curve_weights
         _restore(tr, state)
@@ -434,4 +454,4 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main, "python -m chunk_grpo.train")

@@ -194,3 +194,37 @@ def test_throughput_one_core(reward):
     finally:
         torch.set_num_threads(threads)
     assert rate >= 200, f"{rate:.0f} images/s"
+
+
+USER_REWARD_MODULE = """
+import torch
+from chunk_grpo.rewards import register_reward
+
+
+@register_reward("test_user_green")
+class Greenness:
+    def __call__(self, images, prompts):
+        return images[:, 1].mean(dim=(1, 2)) - images[:, [0, 2]].mean(dim=(1, 2, 3))
+"""
+
+
+def test_module_colon_name_imports_a_users_reward(tmp_path, monkeypatch):
+    (tmp_path / "user_rewards_for_test.py").write_text(USER_REWARD_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reward = get_reward("user_rewards_for_test:test_user_green")
+    images = torch.zeros(2, 3, 4, 4)
+    images[0, 1] = 1.0  # all green
+    assert reward(images, ["x", "y"]).tolist() == [1.0, 0.0]
+    assert "test_user_green" in available_rewards()
+    with pytest.raises(ValueError, match="cannot import module 'no_such_user_module'"):
+        get_reward("no_such_user_module:anything")
+    with pytest.raises(ValueError, match="unknown reward 'missing' after importing "
+                                         "'user_rewards_for_test'"):
+        get_reward("user_rewards_for_test:missing")
+    with pytest.raises(ValueError, match="write 'module:name'"):
+        get_reward("user_rewards_for_test:")
+    # A missing import inside the user's module is their error, reported as such.
+    (tmp_path / "user_rewards_broken.py").write_text("import no_such_dependency_xyz\n")
+    with pytest.raises(ModuleNotFoundError, match="no_such_dependency_xyz"):
+        get_reward("user_rewards_broken:anything")
+

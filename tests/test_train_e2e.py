@@ -10,6 +10,7 @@ from trainer_utils import tiny_config, tiny_model_dir
 
 from chunk_grpo import evaluate as evaluate_cli
 from chunk_grpo.checkpoint import latest_checkpoint
+from chunk_grpo.config import ConfigError, run_command
 from chunk_grpo.distributed import init_distributed
 from chunk_grpo.metrics import read_metrics
 from chunk_grpo.models import FluxPolicy
@@ -68,6 +69,48 @@ def test_cli_two_steps_auto_chunks_and_export(tmp_path):
                             "--max-prompts", "4", "--out", str(tmp_path / "eval"),
                             "--hybrid-base", str(model), "--hybrid-steps", "2"])
     assert result.n == 4 and 0.0 <= result.reward_mean <= 1.0
+
+
+def test_cli_trains_on_a_users_reward_module_and_resumes_with_it(tmp_path, monkeypatch):
+    (tmp_path / "user_rewards_e2e.py").write_text(
+        "from chunk_grpo.rewards import register_reward\n\n\n"
+        "@register_reward('test_user_darkness')\n"
+        "def make():\n"
+        "    return lambda images, prompts: 1.0 - images.float().mean(dim=(1, 2, 3))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "run"
+    common = ["--model", str(tiny_model_dir(tmp_path)), "--output-dir", str(out), "--num-steps",
+              "4", "--group-size", "2", "--prompts-per-step", "2", "--micro-batch-size", "4",
+              "--chunks", "3", "--eval-every", "0", "--image-grid-every", "0", "--progress",
+              "false", "--checkpoint-every", "1", "--eval-hybrid-steps", "2"]
+    main([*common, "--reward", "user_rewards_e2e:test_user_darkness", "--max-steps", "1"])
+    assert yaml.safe_load((out / "config.yaml").read_text())["reward"] == (
+        "user_rewards_e2e:test_user_darkness")
+    main(["--resume", str(out), "--max-steps", "2"])
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2] and 0.0 < records[1]["reward_mean"] < 1.0
+
+
+def test_hybrid_steps_beyond_the_evaluation_steps_fail_before_training(tmp_path):
+    # The tiny model samples evaluations in 5 steps; the default eval_hybrid_steps is 8.
+    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", eval_hybrid_steps=8)
+    with pytest.raises(ConfigError, match="eval_hybrid_steps=8 exceeds the 5 steps"):
+        run(cfg)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_misspelt_reward_fails_first_and_leaves_no_run_directory(tmp_path, capsys):
+    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", reward="test_brightnes")
+    capsys.readouterr()  # the tiny model's save progress bars
+    with pytest.raises(ConfigError, match="unknown reward 'test_brightnes'.*test_brightness"):
+        run(cfg)
+    assert not (tmp_path / "run").exists()
+    # On the command line: one line on stderr and exit status 2, as for argparse's errors.
+    with pytest.raises(SystemExit) as stop:
+        run_command(lambda: run(cfg), "python -m chunk_grpo.train")
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.startswith(
+        "python -m chunk_grpo.train: error: reward: unknown reward 'test_brightnes'")
 
 
 def test_nonfinite_rewards_skip_steps_then_stop(tmp_path):

@@ -1,7 +1,13 @@
-"""Rewards by name: `register_reward("name")` on a factory, `get_reward("name", **kwargs)`."""
+"""Rewards by name: `register_reward("name")` on a factory, `get_reward("name", **kwargs)`.
+
+Your own reward needs no change to this package: register it in a module of yours and name it
+as "module:name" (e.g. `--reward my_rewards:redness`); `get_reward` imports the module first,
+which runs its `@register_reward` decorators.
+"""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Protocol
 
@@ -35,8 +41,30 @@ def available_rewards() -> list[str]:
     return sorted(_FACTORIES)
 
 
+def _import_reward_module(spec: str) -> str:
+    """Import the module of a "module:name" spec and return the name."""
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ValueError(f"reward {spec!r}: write 'module:name', e.g. 'my_rewards:redness'")
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        if err.name is None or not module.startswith(err.name):
+            raise  # the module exists but one of its own imports is missing
+        raise ValueError(f"reward {spec!r}: cannot import module {module!r}; run from the "
+                         f"directory that holds it or add it to PYTHONPATH") from None
+    return name
+
+
 def get_reward(name: str, **kwargs) -> Reward:
-    """A new instance of the reward registered as `name`, built with `kwargs`."""
+    """A new instance of the reward registered as `name` (or "module:name", importing the
+    module first), built with `kwargs`."""
+    spec = name
+    if isinstance(name, str) and ":" in name:
+        name = _import_reward_module(name)
     if name not in _FACTORIES:
-        raise ValueError(f"unknown reward {name!r}; available: {available_rewards()}")
+        where = f" after importing {spec.partition(':')[0]!r}" if spec != name else ""
+        raise ValueError(f"unknown reward {name!r}{where}; available: {available_rewards()}. "
+                         f"Register your own with @register_reward('name') in a module and pass "
+                         f"'module:name'")
     return _FACTORIES[name](**kwargs)
