@@ -81,6 +81,7 @@ def evaluate_policy(
     batch_size: int = 64,
     hybrid_base=None,
     hybrid_steps: int = 0,
+    progress: bool = False,
 ) -> EvalResult:
     """Sample `images_per_prompt` images per prompt with `chunk_grpo.rollout.generate` and score
     them. num_steps/shift default to the model's sampling defaults; the same seed gives the same
@@ -108,6 +109,7 @@ def evaluate_policy(
         batch_size=batch_size,
         hybrid_base=hybrid_base,
         hybrid_steps=hybrid_steps,
+        progress=progress,
     ).cpu()
     seconds = time.perf_counter() - start
     attributes: dict[str, float] = {}
@@ -191,6 +193,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hybrid-base", default=None, help="base model for the last steps")
     p.add_argument("--hybrid-steps", type=int, default=0, help="first K steps use --model")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--compare", default=None, metavar="EVAL_DIR",
                    help="an earlier evaluation's --out (same prompts and seed): report the "
                         "paired per-image reward difference with its 95%% CI")
@@ -230,8 +233,10 @@ def main(argv: list[str] | None = None) -> EvalResult:
         batch_size=args.batch_size,
         hybrid_base=base,
         hybrid_steps=args.hybrid_steps,
+        progress=not args.quiet,
     )
-    settings = {k: v for k, v in vars(args).items() if k not in ("out", "steps", "compare")}
+    settings = {k: v for k, v in vars(args).items()
+                if k not in ("out", "steps", "compare", "quiet")}
     settings.update(
         num_steps=args.steps if args.steps is not None else policy.defaults.num_steps,
         shift=args.shift if args.shift is not None else policy.defaults.shift,

@@ -11,6 +11,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+from tqdm.auto import tqdm
 
 import grpo_kernels
 from chunk_grpo.chunking import trained_transitions
@@ -184,11 +185,12 @@ def generate(policy, prompts: list[str], *, num_steps: int = 16, shift: float = 
              sampler: str = "ode", eta: float = 0.0, cfg_scale: float | None = None,
              generator: torch.Generator | None = None, batch_size: int = 64,
              hybrid_base=None, hybrid_steps: int = 0,
-             mixed_precision: str = "no") -> torch.Tensor:
+             mixed_precision: str = "no", progress: bool = False) -> torch.Tensor:
     """Images [B, 3, H, W] in [0, 1] for ``prompts``, one per prompt.
 
     sampler: "ode" or an SDE kind (then ``eta`` > 0). Hybrid inference: the first
     ``hybrid_steps`` steps use ``policy``, the rest ``hybrid_base`` (another FluxPolicy).
+    ``progress``: a tqdm bar over the images.
     """
     if sampler != "ode" and sampler not in SDE_KINDS:
         raise ValueError(f"sampler must be 'ode' or one of {SDE_KINDS}, got {sampler!r}")
@@ -211,6 +213,7 @@ def generate(policy, prompts: list[str], *, num_steps: int = 16, shift: float = 
         step_noise = draw_step_noise(len(prompts), tuple(initial.shape[1:]), num_steps, 0,
                                      generator)
     images = []
+    bar = tqdm(total=len(prompts), unit="img", desc="sampling", disable=not progress)
     for start in range(0, len(prompts), batch_size):
         batch = list(prompts[start:start + batch_size])
         embeds = [p.encode_prompts(batch) for p in policies]
@@ -220,4 +223,6 @@ def generate(policy, prompts: list[str], *, num_steps: int = 16, shift: float = 
                              mixed_precision=mixed_precision,
                              step_noise=None if step_noise is None else step_noise[:, rows])
         images.append(policy.decode(x).float())  # the VAE is shared: only transformers differ
+        bar.update(len(batch))
+    bar.close()
     return torch.cat(images)

@@ -43,8 +43,10 @@ def test_cli_end_to_end(model_dir, tmp_path, capsys):
             "1",
         ]
     )
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "95% CI, n=6" in printed
+    assert "sampling: 100%" in captured.err and "6/6" in captured.err  # the progress bar
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["n"] == 6 == result.n
     assert 0.0 <= metrics["reward_mean"] <= 1.0
@@ -138,11 +140,14 @@ def test_compare_reports_the_paired_difference(model_dir, tmp_path, capsys):
     common = ["--model", str(model_dir), "--prompts", str(prompts_file), "--steps", "2"]
     base = main([*common, "--out", str(tmp_path / "a"), "--seed", "3"])
     # Same model, prompts and seed: every image is identical, so the difference is exactly 0.
-    same = main([*common, "--out", str(tmp_path / "b"), "--seed", "3",
+    capsys.readouterr()
+    same = main([*common, "--out", str(tmp_path / "b"), "--seed", "3", "--quiet",
                  "--compare", str(tmp_path / "a")])
+    captured = capsys.readouterr()
+    assert "sampling:" not in captured.err and "+0.0000" in captured.out  # --quiet: no bar
     paired = json.loads((tmp_path / "b" / "metrics.json").read_text())["paired"]
     assert paired["diff_mean"] == 0.0 and paired["changed_fraction"] == 0.0
-    assert paired["n"] == 3 and "+0.0000" in capsys.readouterr().out
+    assert paired["n"] == 3
     assert torch.equal(same.rewards, base.rewards)
 
 
