@@ -51,7 +51,7 @@ class EvalResult:
         if n == 1:
             return {}
         ks = sorted({2**i for i in range(1, n.bit_length())} | {n})
-        per_prompt = self.rewards.view(-1, n).numpy()
+        per_prompt = self.rewards.reshape(-1, n).numpy()
         return {k: mean_ci95(best_of_k(per_prompt, k)) for k in ks}
 
     def metrics(self) -> dict:
