@@ -32,3 +32,25 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, norm: str = "gro
     if clip_max is not None:
         adv = adv.clamp(-clip_max, clip_max)
     return adv
+
+
+def multi_granularity_advantages(rewards: list[torch.Tensor], group_size: int, *,
+                                 norm: str = "group", eps: float = 1e-4,
+                                 clip_max: float | None = None,
+                                 all_rewards: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """G2RPO's integration: the sum over finishes of each finish's group advantages, clipped.
+
+    rewards[g]: [P * G] rewards of the same images finished at granularity g (see
+    `chunk_grpo.branching`). Each finish is normalised on its own (unclipped), then the sum is
+    clipped to [-clip_max, clip_max]. One finish is exactly `group_advantages`.
+    """
+    if not rewards:
+        raise ValueError("rewards must hold at least one finish")
+    pools = all_rewards if all_rewards is not None else [None] * len(rewards)
+    if len(pools) != len(rewards):
+        raise ValueError(f"all_rewards has {len(pools)} finishes, rewards {len(rewards)}")
+    total = sum(group_advantages(r, group_size, norm=norm, eps=eps, all_rewards=pool)
+                for r, pool in zip(rewards, pools, strict=True))
+    if clip_max is not None:
+        total = total.clamp(-clip_max, clip_max)
+    return total

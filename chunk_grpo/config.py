@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from chunk_grpo.branching import GranularityError, parse_granularities
 from chunk_grpo.chunking import ChunkSpecError, parse_chunk_spec, trained_transitions
 
 
@@ -48,6 +49,10 @@ class TrainConfig:
     seed: int = 0
     height: int | None = None  # None = the model's default size
     width: int | None = None
+
+    # --- algorithm ----------------------------------------------------------------------
+    algorithm: str = "chunk_grpo"  # chunk_grpo | g2rpo (singular branch step, several finishes)
+    g2rpo_granularities: str = "1,2"  # g2rpo: ODE strides of the finishes after the branch
 
     # --- sampling (rollouts) ----------------------------------------------------------
     num_steps: int = 10  # T: sampling steps in training; the last transition is not trained
@@ -125,6 +130,7 @@ class TrainConfig:
 
     def validate(self) -> TrainConfig:
         """Raise ConfigError for any inconsistent value; returns self."""
+        _choice("algorithm", self.algorithm, ("chunk_grpo", "g2rpo"))
         _choice("sde_kind", self.sde_kind, ("flow", "dance", "cps", "cps_mse"))
         _choice("decode", self.decode, ("final", "x0"))
         _choice("adv_norm", self.adv_norm, ("group", "global", "none"))
@@ -179,6 +185,13 @@ class TrainConfig:
             parse_chunk_spec(self.chunks, self.num_trained, self.chunk_size)
         except ChunkSpecError as err:
             raise ConfigError(f"chunks: {err}") from None
+        try:
+            parse_granularities(self.g2rpo_granularities)
+        except GranularityError as err:
+            raise ConfigError(f"g2rpo_granularities: {err}") from None
+        if self.algorithm == "g2rpo" and not self.shared_noise:
+            raise ConfigError("algorithm g2rpo branches one ODE trajectory per prompt, so the "
+                              "group shares its initial noise: set shared_noise: true")
         return self
 
     def to_dict(self) -> dict[str, Any]:

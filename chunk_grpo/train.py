@@ -28,7 +28,8 @@ import torch
 from tqdm.auto import tqdm
 
 from chunk_grpo import distributed as D
-from chunk_grpo.advantages import group_advantages
+from chunk_grpo.advantages import multi_granularity_advantages
+from chunk_grpo.branching import parse_granularities, sample_branch_rollouts
 from chunk_grpo.checkpoint import load_checkpoint, save_checkpoint
 from chunk_grpo.chunking import ChunkLayout, parse_chunk_spec, select_chunks
 from chunk_grpo.config import (
@@ -111,38 +112,54 @@ def train_iteration(tr: Trainer, step: int) -> tuple[dict, bool]:
     prompts = D.sample_prompts(tr.train_prompts, cfg.prompts_per_step, seed=cfg.seed, step=step,
                                info=info)
 
-    # 2. group rollouts with the SDE sampler (latents and log-probs stored)
+    # 2. group rollouts with the SDE sampler (latents and log-probs stored); G2RPO: one branch
+    #    step k (a step-level chunk drawn as chunks are), its group finished at several strides
+    gen = D.step_generator(cfg.seed, step, info.rank, "chunks")
+    weights = tr.chunk_weights if cfg.weighted_chunks else None
     with timer("rollout"):
-        rollout = sample_rollouts(
-            tr.policy, prompts, group_size=cfg.group_size, num_steps=cfg.num_steps,
-            shift=tr.shift, kind=cfg.sde_kind, eta=cfg.eta, cfg_scale=tr.cfg_scale,
-            generator=D.step_generator(cfg.seed, step, info.rank, "rollout"),
-            batch_size=cfg.rollout_batch_size, shared_noise=cfg.shared_noise,
-            antithetic_noise=cfg.antithetic_noise,
-            decode=cfg.decode, mixed_precision=cfg.mixed_precision, sde_window=cfg.sde_window)
+        rollout_gen = D.step_generator(cfg.seed, step, info.rank, "rollout")
+        common = dict(group_size=cfg.group_size, num_steps=cfg.num_steps, shift=tr.shift,
+                      kind=cfg.sde_kind, eta=cfg.eta, cfg_scale=tr.cfg_scale,
+                      generator=rollout_gen, batch_size=cfg.rollout_batch_size,
+                      antithetic_noise=cfg.antithetic_noise, decode=cfg.decode,
+                      mixed_precision=cfg.mixed_precision)
+        if cfg.algorithm == "g2rpo":
+            chunks = select_chunks(tr.layout.num_chunks, 1 / tr.layout.num_chunks,
+                                   weights=weights, generator=gen)
+            rollout, finishes = sample_branch_rollouts(
+                tr.policy, prompts, branch_step=chunks[0],
+                granularities=parse_granularities(cfg.g2rpo_granularities), **common)
+        else:
+            rollout = sample_rollouts(tr.policy, prompts, shared_noise=cfg.shared_noise,
+                                      sde_window=cfg.sde_window, **common)
+            finishes = [rollout.images]
 
-    # 3. score the decoded images
+    # 3. score the decoded images (every finish)
     with timer("reward"):
         row_prompts = [prompts[i] for i in rollout.prompt_index.tolist()]
-        rewards = tr.reward_fn(rollout.images.cpu(), row_prompts).float().cpu()
-    all_rewards = D.all_gather_cat(rewards.to(info.device), info).cpu()
+        scores = [tr.reward_fn(images.cpu(), row_prompts).float().cpu() for images in finishes]
+    gathered = [D.all_gather_cat(r.to(info.device), info).cpu() for r in scores]
+    all_rewards = gathered[0]
     metrics = {"reward_mean": float(all_rewards.mean()), "reward_std": float(all_rewards.std()),
                "lr": tr.optimizer.param_groups[0]["lr"]}
-    if not bool(torch.isfinite(all_rewards).all()):
+    for stride, r in zip(parse_granularities(cfg.g2rpo_granularities)[1:], gathered[1:],
+                         strict=False):
+        metrics[f"reward_mean_stride{stride}"] = float(r.mean())
+    if not all(bool(torch.isfinite(r).all()) for r in gathered):
         metrics.update(timer.seconds, skipped=1, nonfinite="reward")
         return metrics, False
 
-    # 4. group-relative advantages
-    advantages = group_advantages(rewards, cfg.group_size, norm=cfg.adv_norm, eps=cfg.adv_eps,
-                                  clip_max=cfg.adv_clip_max, all_rewards=all_rewards)
+    # 4. group-relative advantages (G2RPO: summed over the finishes)
+    advantages = multi_granularity_advantages(scores, cfg.group_size, norm=cfg.adv_norm,
+                                              eps=cfg.adv_eps, clip_max=cfg.adv_clip_max,
+                                              all_rewards=gathered)
     metrics.update(adv_mean=float(advantages.mean()), adv_std=float(advantages.std()),
                    adv_abs_max=float(advantages.abs().max()))
 
-    # 5. choose chunks, and the (chunk, micro-batch) training units
-    gen = D.step_generator(cfg.seed, step, info.rank, "chunks")
-    chunks = select_chunks(tr.layout.num_chunks, cfg.chunk_fraction,
-                           weights=tr.chunk_weights if cfg.weighted_chunks else None,
-                           generator=gen)
+    # 5. choose chunks (G2RPO: the branch step's), and the (chunk, micro-batch) training units
+    if cfg.algorithm != "g2rpo":
+        chunks = select_chunks(tr.layout.num_chunks, cfg.chunk_fraction, weights=weights,
+                               generator=gen)
     units = plan_units(chunks, rollout.latents.shape[0], cfg.micro_batch_size, gen)
     metrics["chunks_trained"] = ",".join(str(j) for j in chunks)
 
@@ -257,8 +274,12 @@ def load_policy(cfg: TrainConfig, device: torch.device):
 
 def resolve_layout(cfg: TrainConfig, policy, run_dir: Path, info: D.DistInfo
                    ) -> tuple[ChunkLayout, torch.Tensor | None]:
-    """The run's fixed chunk layout; "auto" (or weighted sampling) measures the profile."""
-    layout = parse_chunk_spec(cfg.chunks, cfg.num_trained, cfg.chunk_size)
+    """The run's fixed chunk layout; "auto" (or weighted sampling) measures the profile.
+    G2RPO trains one branch step per iteration: its layout is step level, chunk j = step j."""
+    if cfg.algorithm == "g2rpo":
+        layout = ChunkLayout((1,) * cfg.num_trained)
+    else:
+        layout = parse_chunk_spec(cfg.chunks, cfg.num_trained, cfg.chunk_size)
     curve = None
     if layout is None or cfg.weighted_chunks:
         prompts = _prompt_list(cfg.train_prompts)[:cfg.profile_prompts]

@@ -1,0 +1,124 @@
+"""G2RPO's rollouts: singular stochastic sampling, finished at several granularities.
+
+Per prompt one deterministic ODE trajectory runs from its initial noise to step k. There the
+group branches: G stochastic steps x_k -> x_{k+1} (the only sampled transition, the only one
+trained), then each branch is finished by the ODE to sigma = 0 at several granularities: stride
+g takes every g-th sigma of the rest of the schedule (always ending at 0). Every difference
+inside a group comes from the one perturbation at step k, so the advantage is credited to it;
+the finishes, scored separately, are what `advantages.multi_granularity_advantages` integrates.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from chunk_grpo.rollout import SDE_KINDS, Rollout, autocast_context, denoise, sde_step
+from chunk_grpo.schedule import flux_sigmas
+
+
+class GranularityError(ValueError):
+    """An invalid list of finishing granularities."""
+
+
+def parse_granularities(spec: str) -> tuple[int, ...]:
+    """"1,2" -> (1, 2): distinct positive ODE strides for the finishes, the first one stored."""
+    try:
+        values = tuple(int(s) for s in str(spec).split(",") if s.strip())
+    except ValueError:
+        raise GranularityError(f"granularities must be comma-separated integers such as '1,2', "
+                               f"got {spec!r}") from None
+    if not values or any(v < 1 for v in values) or len(set(values)) != len(values):
+        raise GranularityError(f"granularities must be distinct integers >= 1 such as '1,2', "
+                               f"got {spec!r}")
+    return values
+
+
+def tail_sigmas(sigmas: torch.Tensor, start: int, stride: int) -> torch.Tensor:
+    """sigmas[start], every ``stride``-th one after it, and always the final 0."""
+    tail = sigmas[start::stride]
+    if float(tail[-1]) != float(sigmas[-1]):
+        tail = torch.cat([tail, sigmas[-1:]])
+    return tail
+
+
+@torch.no_grad()
+def sample_branch_rollouts(policy, prompts: list[str], *, group_size: int, num_steps: int,
+                           branch_step: int, granularities: tuple[int, ...], shift: float,
+                           kind: str, eta: float, cfg_scale: float | None = None,
+                           generator: torch.Generator | None = None, batch_size: int = 64,
+                           antithetic_noise: bool = False, decode: str = "final",
+                           mixed_precision: str = "no") -> tuple[Rollout, list[torch.Tensor]]:
+    """G branches per prompt at step ``branch_step``; returns (rollout, images per granularity).
+
+    The rollout holds, for every row, the shared ODE prefix x_0..x_k and its own x_{k+1}
+    (latents [B, T+1], NaN after k+1: the finishes are not trained); ``logps`` [B, k+1] has the
+    branch step's log-prob in column k and NaN before it (no other transition was sampled);
+    ``images`` are the first granularity's.
+    ``antithetic_noise`` gives rows 2i and 2i+1 of a group opposite branch noise.
+    """
+    if kind not in SDE_KINDS:
+        raise ValueError(f"kind must be one of {SDE_KINDS} for training rollouts, got {kind!r}")
+    if not 0 <= branch_step < num_steps - 1:
+        raise ValueError(f"branch_step must be in [0, {num_steps - 2}] (the last transition is "
+                         f"not trained), got {branch_step}")
+    if antithetic_noise and group_size % 2:
+        raise ValueError(f"antithetic_noise needs an even group_size, got {group_size}")
+    if decode not in ("final", "x0"):
+        raise ValueError(f"decode must be 'final' or 'x0', got {decode!r}")
+    cfg = policy.default_cfg_scale if cfg_scale is None else cfg_scale
+    sigmas = flux_sigmas(num_steps, shift)
+    k = branch_step
+    sigma_max = float(sigmas[1])  # the flow kind's s_1 comes from the full schedule
+    prompt_embeds = policy.encode_prompts(list(prompts))
+    rows = len(prompts) * group_size
+    prompt_index = torch.arange(len(prompts)).repeat_interleave(group_size)
+    # All draws up front (initial noise per prompt, then the branch noise per row), so results
+    # do not depend on batch_size.
+    noise = policy.initial_noise(len(prompts), generator).float()
+    branch_noise = torch.randn((rows, *noise.shape[1:]), generator=generator,
+                               dtype=torch.float32,
+                               device=generator.device if generator is not None else "cpu")
+    if antithetic_noise:
+        branch_noise[1::2] = -branch_noise[0::2]
+
+    # The shared prefix: one ODE trajectory per prompt, x_0 .. x_k.
+    prefix = []
+    for start in range(0, len(prompts), batch_size):
+        idx = torch.arange(start, min(start + batch_size, len(prompts)))
+        embeds = prompt_embeds.index(idx)
+        _, latents, _, _ = denoise([policy, policy], noise[idx], [embeds, embeds],
+                                   sigmas[:k + 1], k, sampler="ode", eta=0.0, cfg_scale=cfg,
+                                   generator=None, mixed_precision=mixed_precision, keep=True,
+                                   sigma_max=sigma_max)
+        prefix.append(latents)
+    prefix = torch.cat(prefix).repeat_interleave(group_size, 0)  # [B, k+1, N, C]
+
+    all_latents, logps = [], []
+    finishes: list[list[torch.Tensor]] = [[] for _ in granularities]
+    for start in range(0, rows, batch_size):
+        sl = slice(start, start + batch_size)
+        embeds = prompt_embeds.index(prompt_index[sl])
+        x_k = prefix[sl, k]
+        b = x_k.shape[0]
+        s, s_next = sigmas[k].expand(b).to(x_k.device), sigmas[k + 1].expand(b).to(x_k.device)
+        with autocast_context(x_k.device, mixed_precision):
+            v = policy.velocity(x_k, s, embeds, cfg_scale=cfg)
+        x_next, logp = sde_step(x_k, v, s, s_next, kind=kind, eta=eta, sigma_max=sigma_max,
+                                generator=None, noise=branch_noise[sl])
+        for stride, out in zip(granularities, finishes, strict=True):
+            tail = tail_sigmas(sigmas, k + 1, stride)
+            x_end, _, _, x0 = denoise([policy, policy], x_next, [embeds, embeds], tail,
+                                      tail.numel() - 1, sampler="ode", eta=0.0, cfg_scale=cfg,
+                                      generator=None, mixed_precision=mixed_precision,
+                                      sigma_max=sigma_max)
+            out.append(policy.decode(x0 if decode == "x0" else x_end).float())
+        unused = x_next.new_full((b, num_steps - k - 1, *x_next.shape[1:]), float("nan"))
+        all_latents.append(torch.cat([prefix[sl], x_next[:, None], unused], dim=1))
+        column = torch.full((b, k + 1), float("nan"))
+        column[:, k] = logp.float().cpu()
+        logps.append(column.to(x_k.device))
+    images = [torch.cat(out) for out in finishes]
+    rollout = Rollout(latents=torch.cat(all_latents), logps=torch.cat(logps), sigmas=sigmas,
+                      prompt_index=prompt_index, prompts=list(prompts), images=images[0],
+                      prompt_embeds=prompt_embeds)
+    return rollout, images
