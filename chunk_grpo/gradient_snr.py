@@ -141,6 +141,9 @@ def measure(cfg: TrainConfig, iterations: int = 16, first_step: int = 0,
     ``per_chunk`` adds {"chunks": {j: statistics of chunk j's gradient, with its "steps"}}."""
     from chunk_grpo.train import build_trainer
 
+    if per_chunk and cfg.algorithm == "g2rpo":
+        raise ConfigError("--per-chunk trains every chunk of each iteration, but G2RPO trains "
+                          "one branch step per iteration; measure it without --per-chunk")
     if iterations < 3:
         raise ConfigError(f"--iterations must be >= 3 (pairs of independent gradients), "
                           f"got {iterations}")

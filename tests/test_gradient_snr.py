@@ -125,3 +125,5 @@ def test_cli_prints_and_writes_json(model_dir, tmp_path, capsys):
         main(args[:1] + ["2"] + args[2:])
     with pytest.raises(ConfigError, match="unknown config key"):
         main(["--no-such-flag", "1"])
+    with pytest.raises(ConfigError, match="G2RPO trains one branch step per iteration"):
+        main(args + ["--per-chunk", "--algorithm", "g2rpo"])
