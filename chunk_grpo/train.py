@@ -12,6 +12,9 @@ One iteration, in the order it runs (`train_iteration`):
   6. train chunk by chunk (one batched transformer call per chunk and micro-batch), with
      optimizer steps every `grad_accum` calls
   7. log; every N iterations evaluate on held-out prompts and checkpoint.
+With ``algorithm: g2rpo`` step 2 branches each prompt's ODE trajectory at one step and finishes
+the branches at several strides (`chunk_grpo.branching`), step 4 sums the finishes' advantages,
+and step 5 trains that one step.
 Simplifications: gradients are averaged across ranks by an all-reduce after backward (no DDP
 overlap); the hybrid-evaluation base model is a second frozen copy of the base weights.
 """
@@ -105,7 +108,8 @@ class _PhaseTimer:
 
 
 def train_iteration(tr: Trainer, step: int) -> tuple[dict, bool]:
-    """One Chunk-GRPO iteration; returns (metrics, finite) -- finite False = step skipped."""
+    """One Chunk-GRPO (or G2RPO) iteration; returns (metrics, finite) -- finite False = step
+    skipped."""
     cfg, info, timer = tr.cfg, tr.info, _PhaseTimer()
 
     # 1. prompts for this rank
