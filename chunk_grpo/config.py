@@ -28,12 +28,14 @@ class ConfigError(ValueError):
     """A configuration value or key is invalid; the message names it and the fix."""
 
 
-def run_command(main: Callable[[], object], prog: str) -> None:
-    """Run a command-line entry point: a ConfigError prints one line and exits with status 2,
-    as argparse does for bad flags, instead of a traceback (its message already says the fix)."""
+def run_command(main: Callable[[], object], prog: str,
+                errors: tuple[type[Exception], ...] = ()) -> None:
+    """Run a command-line entry point: a ConfigError (or one of ``errors``, e.g. a model that
+    cannot be loaded) prints one line and exits with status 2, as argparse does for bad flags,
+    instead of a traceback (its message already says the fix)."""
     try:
         main()
-    except ConfigError as err:
+    except (ConfigError, *errors) as err:
         sys.stderr.write(f"{prog}: error: {err}\n")
         raise SystemExit(2) from None
 

@@ -97,4 +97,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
 
 
 if __name__ == "__main__":
-    main()
+    from chunk_grpo.config import run_command
+    from chunk_grpo.models.loading import ModelLoadError
+
+    run_command(main, "python -m chunk_grpo.credit", errors=(ModelLoadError,))

@@ -225,4 +225,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    run_command(main, "python -m chunk_grpo.gradient_snr")
+    from chunk_grpo.models.loading import ModelLoadError
+
+    run_command(main, "python -m chunk_grpo.gradient_snr", errors=(ModelLoadError,))

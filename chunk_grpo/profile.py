@@ -121,4 +121,7 @@ def main(argv: list[str] | None = None) -> ChunkLayout:
 
 
 if __name__ == "__main__":
-    main()
+    from chunk_grpo.config import run_command
+    from chunk_grpo.models.loading import ModelLoadError
+
+    run_command(main, "python -m chunk_grpo.profile", errors=(ModelLoadError,))

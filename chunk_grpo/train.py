@@ -479,4 +479,6 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    run_command(main, "python -m chunk_grpo.train")
+    from chunk_grpo.models.loading import ModelLoadError
+
+    run_command(main, "python -m chunk_grpo.train", errors=(ModelLoadError,))

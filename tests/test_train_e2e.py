@@ -14,6 +14,7 @@ from chunk_grpo.config import ConfigError, run_command
 from chunk_grpo.distributed import init_distributed
 from chunk_grpo.metrics import read_metrics
 from chunk_grpo.models import FluxPolicy
+from chunk_grpo.models.loading import ModelLoadError
 from chunk_grpo.rewards import register_reward
 from chunk_grpo.train import TrainingDiverged, build_trainer, evaluate, main, run
 
@@ -111,6 +112,13 @@ def test_a_misspelt_reward_fails_first_and_leaves_no_run_directory(tmp_path, cap
     assert stop.value.code == 2
     assert capsys.readouterr().err.startswith(
         "python -m chunk_grpo.train: error: reward: unknown reward 'test_brightnes'")
+    # A model that cannot be loaded, when the command lists its error type: the same one line.
+    missing = tiny_config(tmp_path, tmp_path / "run2", model=str(tmp_path / "no-model"))
+    with pytest.raises(SystemExit) as stop:
+        run_command(lambda: run(missing), "prog", errors=(ModelLoadError,))
+    assert stop.value.code == 2 and "prog: error: " in capsys.readouterr().err
+    with pytest.raises(ModelLoadError):  # not listed: raised as it is
+        run_command(lambda: run(missing), "prog")
 
 
 def test_nonfinite_rewards_skip_steps_then_stop(tmp_path):
