@@ -312,21 +312,30 @@ def resolve_reward(cfg: TrainConfig):
         raise ConfigError(f"reward: {err}") from err
 
 
-def build_trainer(cfg: TrainConfig, run_dir: Path, info: D.DistInfo,
-                  layout: ChunkLayout | None = None, curve: torch.Tensor | None = None,
-                  reward_fn=None) -> Trainer:
-    """Everything an iteration needs; ``reward_fn`` is built from the config unless given."""
-    if reward_fn is None:
-        reward_fn = resolve_reward(cfg)
+def load_checked_policy(cfg: TrainConfig, device: torch.device):
+    """The policy, once the config is known to suit it (checked here, not at the first
+    evaluation, which may come only at the end of the run). Seeds torch first: what follows
+    (the profile, LoRA's initialisation) draws from the seeded generator."""
     torch.manual_seed(cfg.seed)
-    policy = load_policy(cfg, info.device)
+    policy = load_policy(cfg, device)
     eval_steps = policy.defaults.num_steps  # evaluation samples as `chunk_grpo.evaluate` does
     if cfg.eval_hybrid_steps > eval_steps:
-        # Checked here, not at the first evaluation, which may come only at the end of the run.
         raise ConfigError(f"eval_hybrid_steps={cfg.eval_hybrid_steps} exceeds the {eval_steps} "
                           f"steps evaluation samples with (the model's default num_steps); set "
                           f"--eval-hybrid-steps to at most {eval_steps}, or 0 to skip hybrid "
                           f"evaluation")
+    return policy
+
+
+def build_trainer(cfg: TrainConfig, run_dir: Path, info: D.DistInfo,
+                  layout: ChunkLayout | None = None, curve: torch.Tensor | None = None,
+                  reward_fn=None, policy=None) -> Trainer:
+    """Everything an iteration needs; ``reward_fn`` and ``policy`` are built from the config
+    unless given."""
+    if reward_fn is None:
+        reward_fn = resolve_reward(cfg)
+    if policy is None:
+        policy = load_checked_policy(cfg, info.device)
     if layout is None:
         layout, curve = resolve_layout(cfg, policy, run_dir, info)
     params = prepare_transformer(
@@ -390,7 +399,9 @@ def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = F
     ``on_step_end(step, metrics)`` is called after every iteration (e.g. to stop early).
     """
     info = D.init_distributed(cfg.device)
-    reward_fn = resolve_reward(cfg)  # before the run directory: a misspelt reward leaves nothing
+    # Before the run directory: a misspelt reward or a bad model path leaves nothing behind.
+    reward_fn = resolve_reward(cfg)
+    policy = load_checked_policy(cfg, info.device)
     run_dir = Path(run_dir or cfg.output_dir or _default_run_dir())
     start, bad_streak, state = 0, 0, None
     layout = curve = None
@@ -406,7 +417,8 @@ def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = F
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
     D.barrier(info)
-    tr = build_trainer(cfg, run_dir, info, layout=layout, curve=curve, reward_fn=reward_fn)
+    tr = build_trainer(cfg, run_dir, info, layout=layout, curve=curve, reward_fn=reward_fn,
+                       policy=policy)
     if state is not None:
         tr.chunk_weights = curve_weights
         _restore(tr, state)

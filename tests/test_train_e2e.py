@@ -97,10 +97,11 @@ def test_hybrid_steps_beyond_the_evaluation_steps_fail_before_training(tmp_path)
     cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", eval_hybrid_steps=8)
     with pytest.raises(ConfigError, match="eval_hybrid_steps=8 exceeds the 5 steps"):
         run(cfg)
-    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not (tmp_path / "run").exists()
 
 
-def test_a_misspelt_reward_fails_first_and_leaves_no_run_directory(tmp_path, capsys):
+def test_a_misspelt_reward_or_missing_model_fails_first_and_leaves_no_run_directory(tmp_path,
+                                                                                      capsys):
     cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", reward="test_brightnes")
     capsys.readouterr()  # the tiny model's save progress bars
     with pytest.raises(ConfigError, match="unknown reward 'test_brightnes'.*test_brightness"):
@@ -119,6 +120,7 @@ def test_a_misspelt_reward_fails_first_and_leaves_no_run_directory(tmp_path, cap
     assert stop.value.code == 2 and "prog: error: " in capsys.readouterr().err
     with pytest.raises(ModelLoadError):  # not listed: raised as it is
         run_command(lambda: run(missing), "prog")
+    assert not (tmp_path / "run2").exists()  # the model is loaded before the run directory
 
 
 def test_nonfinite_rewards_skip_steps_then_stop(tmp_path):
