@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from chunk_grpo.rollout import SDE_KINDS, Rollout, autocast_context, denoise, sde_step
+from chunk_grpo.rollout import SDE_KINDS, Rollout, denoise
 from chunk_grpo.schedule import flux_sigmas
 
 
@@ -95,28 +95,30 @@ def sample_branch_rollouts(policy, prompts: list[str], *, group_size: int, num_s
 
     all_latents, logps = [], []
     finishes: list[list[torch.Tensor]] = [[] for _ in granularities]
+    # The branch step and the first finish in one call: an SDE window of 1 on the tail.
+    first_tail = torch.cat([sigmas[k:k + 1], tail_sigmas(sigmas, k + 1, granularities[0])])
     for start in range(0, rows, batch_size):
         sl = slice(start, start + batch_size)
-        embeds = prompt_embeds.index(prompt_index[sl])
-        x_k = prefix[sl, k]
-        b = x_k.shape[0]
-        s, s_next = sigmas[k].expand(b).to(x_k.device), sigmas[k + 1].expand(b).to(x_k.device)
-        with autocast_context(x_k.device, mixed_precision):
-            v = policy.velocity(x_k, s, embeds, cfg_scale=cfg)
-        x_next, logp = sde_step(x_k, v, s, s_next, kind=kind, eta=eta, sigma_max=sigma_max,
-                                generator=None, noise=branch_noise[sl])
-        for stride, out in zip(granularities, finishes, strict=True):
+        embeds = [prompt_embeds.index(prompt_index[sl])] * 2
+        x_end, path, logp, x0 = denoise(
+            [policy, policy], prefix[sl, k], embeds, first_tail, first_tail.numel() - 1,
+            sampler=kind, eta=eta, cfg_scale=cfg, generator=None,
+            mixed_precision=mixed_precision, keep=True, sde_window=1,
+            step_noise=branch_noise[None, sl], sigma_max=sigma_max)
+        x_next = path[:, 1]
+        finishes[0].append(policy.decode(x0 if decode == "x0" else x_end).float())
+        for stride, out in zip(granularities[1:], finishes[1:], strict=True):
             tail = tail_sigmas(sigmas, k + 1, stride)
-            x_end, _, _, x0 = denoise([policy, policy], x_next, [embeds, embeds], tail,
-                                      tail.numel() - 1, sampler="ode", eta=0.0, cfg_scale=cfg,
-                                      generator=None, mixed_precision=mixed_precision,
-                                      sigma_max=sigma_max)
+            x_end, _, _, x0 = denoise([policy, policy], x_next, embeds, tail, tail.numel() - 1,
+                                      sampler="ode", eta=0.0, cfg_scale=cfg, generator=None,
+                                      mixed_precision=mixed_precision, sigma_max=sigma_max)
             out.append(policy.decode(x0 if decode == "x0" else x_end).float())
+        b = x_next.shape[0]
         unused = x_next.new_full((b, num_steps - k - 1, *x_next.shape[1:]), float("nan"))
         all_latents.append(torch.cat([prefix[sl], x_next[:, None], unused], dim=1))
-        column = torch.full((b, k + 1), float("nan"))
-        column[:, k] = logp.float().cpu()
-        logps.append(column.to(x_k.device))
+        column = logp.new_full((b, k + 1), float("nan"))
+        column[:, k] = logp[:, 0]
+        logps.append(column)
     images = [torch.cat(out) for out in finishes]
     rollout = Rollout(latents=torch.cat(all_latents), logps=torch.cat(logps), sigmas=sigmas,
                       prompt_index=prompt_index, prompts=list(prompts), images=images[0],

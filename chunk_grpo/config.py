@@ -40,6 +40,15 @@ def run_command(main: Callable[[], object], prog: str,
         raise SystemExit(2) from None
 
 
+def run_cli(main: Callable[[], object], module: str) -> None:
+    """The ``__main__`` of ``python -m module``: `run_command` with every error a command reports
+    in one line (a bad configuration, a model that cannot be loaded, an unknown reward)."""
+    from chunk_grpo.models.loading import ModelLoadError
+    from chunk_grpo.rewards.registry import UnknownRewardError
+
+    run_command(main, f"python -m {module}", errors=(ModelLoadError, UnknownRewardError))
+
+
 @dataclass
 class TrainConfig:
     # --- model, data, reward -------------------------------------------------------------

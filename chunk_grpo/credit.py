@@ -76,10 +76,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="credit")
     args = parser.parse_args(argv)
-    try:
-        reward = get_reward(args.reward)
-    except ValueError as err:
-        parser.error(f"--reward: {err}")
+    reward = get_reward(args.reward)  # first: a misspelt reward fails before the model loads
     policy = FluxPolicy.from_pretrained(args.model)
     prompts = load_prompts(args.prompts_file)[:args.prompts]
     result = reward_spread_by_step(
@@ -97,7 +94,6 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
 
 
 if __name__ == "__main__":
-    from chunk_grpo.config import run_command
-    from chunk_grpo.models.loading import ModelLoadError
+    from chunk_grpo.config import run_cli
 
-    run_command(main, "python -m chunk_grpo.credit", errors=(ModelLoadError,))
+    run_cli(main, "chunk_grpo.credit")

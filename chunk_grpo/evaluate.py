@@ -206,10 +206,7 @@ def main(argv: list[str] | None = None) -> EvalResult:
     args = _parser().parse_args(argv)
     if args.hybrid_steps and args.hybrid_base is None:
         raise SystemExit("--hybrid-steps needs --hybrid-base (the base model for the rest)")
-    try:
-        scorer = get_reward(args.reward)
-    except ValueError as err:
-        raise SystemExit(f"--reward: {err}") from None
+    scorer = get_reward(args.reward)  # first: a misspelt reward fails before the model loads
     prompts = load_prompts(args.prompts)
     if args.max_prompts is not None:
         if args.max_prompts < 1:
@@ -269,7 +266,6 @@ def main(argv: list[str] | None = None) -> EvalResult:
 
 
 if __name__ == "__main__":
-    from chunk_grpo.config import run_command
-    from chunk_grpo.models.loading import ModelLoadError
+    from chunk_grpo.config import run_cli
 
-    run_command(main, "python -m chunk_grpo.evaluate", errors=(ModelLoadError,))
+    run_cli(main, "chunk_grpo.evaluate")

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from chunk_grpo import distributed as D
-from chunk_grpo.config import ConfigError, TrainConfig, build_config, parse_args, run_command
+from chunk_grpo.config import ConfigError, TrainConfig, build_config, parse_args, run_cli
 
 
 def snr_statistics(grads: torch.Tensor) -> dict[str, float]:
@@ -225,6 +225,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from chunk_grpo.models.loading import ModelLoadError
-
-    run_command(main, "python -m chunk_grpo.gradient_snr", errors=(ModelLoadError,))
+    run_cli(main, "chunk_grpo.gradient_snr")

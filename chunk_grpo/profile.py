@@ -121,7 +121,6 @@ def main(argv: list[str] | None = None) -> ChunkLayout:
 
 
 if __name__ == "__main__":
-    from chunk_grpo.config import run_command
-    from chunk_grpo.models.loading import ModelLoadError
+    from chunk_grpo.config import run_cli
 
-    run_command(main, "python -m chunk_grpo.profile", errors=(ModelLoadError,))
+    run_cli(main, "chunk_grpo.profile")

@@ -41,7 +41,7 @@ from chunk_grpo.config import (
     build_config,
     load_yaml,
     parse_args,
-    run_command,
+    run_cli,
     save_config,
 )
 from chunk_grpo.metrics import MetricsLogger, save_image_grid
@@ -120,6 +120,7 @@ def train_iteration(tr: Trainer, step: int) -> tuple[dict, bool]:
     #    step k (a step-level chunk drawn as chunks are), its group finished at several strides
     gen = D.step_generator(cfg.seed, step, info.rank, "chunks")
     weights = tr.chunk_weights if cfg.weighted_chunks else None
+    strides = parse_granularities(cfg.g2rpo_granularities) if cfg.algorithm == "g2rpo" else (1,)
     with timer("rollout"):
         rollout_gen = D.step_generator(cfg.seed, step, info.rank, "rollout")
         common = dict(group_size=cfg.group_size, num_steps=cfg.num_steps, shift=tr.shift,
@@ -131,8 +132,7 @@ def train_iteration(tr: Trainer, step: int) -> tuple[dict, bool]:
             chunks = select_chunks(tr.layout.num_chunks, 1 / tr.layout.num_chunks,
                                    weights=weights, generator=gen)
             rollout, finishes = sample_branch_rollouts(
-                tr.policy, prompts, branch_step=chunks[0],
-                granularities=parse_granularities(cfg.g2rpo_granularities), **common)
+                tr.policy, prompts, branch_step=chunks[0], granularities=strides, **common)
         else:
             rollout = sample_rollouts(tr.policy, prompts, shared_noise=cfg.shared_noise,
                                       sde_window=cfg.sde_window, **common)
@@ -146,8 +146,7 @@ def train_iteration(tr: Trainer, step: int) -> tuple[dict, bool]:
     all_rewards = gathered[0]
     metrics = {"reward_mean": float(all_rewards.mean()), "reward_std": float(all_rewards.std()),
                "lr": tr.optimizer.param_groups[0]["lr"]}
-    for stride, r in zip(parse_granularities(cfg.g2rpo_granularities)[1:], gathered[1:],
-                         strict=False):
+    for stride, r in zip(strides[1:], gathered[1:], strict=True):
         metrics[f"reward_mean_stride{stride}"] = float(r.mean())
     if not all(bool(torch.isfinite(r).all()) for r in gathered):
         metrics.update(timer.seconds, skipped=1, nonfinite="reward")
@@ -491,6 +490,4 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    from chunk_grpo.models.loading import ModelLoadError
-
-    run_command(main, "python -m chunk_grpo.train", errors=(ModelLoadError,))
+    run_cli(main, "chunk_grpo.train")

@@ -20,6 +20,10 @@ class Reward(Protocol):
     def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor: ...
 
 
+class UnknownRewardError(ValueError):
+    """No reward is registered under the name asked for (or its module cannot be imported)."""
+
+
 _FACTORIES: dict[str, Callable[..., Reward]] = {}
 
 
@@ -45,14 +49,15 @@ def _import_reward_module(spec: str) -> str:
     """Import the module of a "module:name" spec and return the name."""
     module, _, name = spec.partition(":")
     if not module or not name:
-        raise ValueError(f"reward {spec!r}: write 'module:name', e.g. 'my_rewards:redness'")
+        raise UnknownRewardError(f"reward {spec!r}: write 'module:name', e.g. "
+                                 f"'my_rewards:redness'")
     try:
         importlib.import_module(module)
     except ModuleNotFoundError as err:
         if err.name is None or not module.startswith(err.name):
             raise  # the module exists but one of its own imports is missing
-        raise ValueError(f"reward {spec!r}: cannot import module {module!r}; run from the "
-                         f"directory that holds it or add it to PYTHONPATH") from None
+        raise UnknownRewardError(f"reward {spec!r}: cannot import module {module!r}; run from "
+                                 f"the directory that holds it or add it to PYTHONPATH") from None
     return name
 
 
@@ -60,11 +65,11 @@ def get_reward(name: str, **kwargs) -> Reward:
     """A new instance of the reward registered as `name` (or "module:name", importing the
     module first), built with `kwargs`."""
     spec = name
-    if isinstance(name, str) and ":" in name:
+    if ":" in name:
         name = _import_reward_module(name)
     if name not in _FACTORIES:
         where = f" after importing {spec.partition(':')[0]!r}" if spec != name else ""
-        raise ValueError(f"unknown reward {name!r}{where}; available: {available_rewards()}. "
-                         f"Register your own with @register_reward('name') in a module and pass "
-                         f"'module:name'")
+        raise UnknownRewardError(f"unknown reward {name!r}{where}; available: "
+                                 f"{available_rewards()}. Register your own with "
+                                 f"@register_reward('name') in a module and pass 'module:name'")
     return _FACTORIES[name](**kwargs)
