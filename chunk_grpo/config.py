@@ -112,7 +112,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     warmup_steps: int = 0  # optimizer steps of linear warm-up
     lr_schedule: str = "constant"  # constant | cosine
-    mixed_precision: str = "bf16"  # no | bf16
+    mixed_precision: str = "auto"  # auto (bf16 where native, else fp32) | no | bf16
     gradient_checkpointing: bool = False
     lora_rank: int = 8  # 0 = full fine-tuning
     lora_alpha: float | None = None  # None = lora_rank
@@ -148,7 +148,7 @@ class TrainConfig:
         _choice("kl_ref", self.kl_ref, ("old", "reference"))
         _choice("optimizer", self.optimizer, ("adamw", "adamw8bit"))
         _choice("lr_schedule", self.lr_schedule, ("constant", "cosine"))
-        _choice("mixed_precision", self.mixed_precision, ("no", "bf16"))
+        _choice("mixed_precision", self.mixed_precision, ("auto", "no", "bf16"))
         _choice("attention_backend", self.attention_backend, ("auto", "native", "flash"))
         _choice("device", self.device, ("auto", "cpu", "cuda"))
         for name in ("num_steps", "group_size", "prompts_per_step", "rollout_batch_size",

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 import grpo_kernels
 from chunk_grpo.chunking import trained_transitions
+from chunk_grpo.precision import resolve_mixed_precision
 from chunk_grpo.schedule import flux_sigmas
 
 SDE_KINDS = ("flow", "dance", "cps", "cps_mse")
@@ -38,8 +39,9 @@ class Rollout:
 
 
 def autocast_context(device: torch.device, mixed_precision: str):
-    """bf16 autocast for the transformer when asked; the same context in rollout and training."""
-    if mixed_precision == "bf16":
+    """bf16 autocast for the transformer when asked ("auto": where the hardware runs bf16
+    natively, `chunk_grpo.precision`); the same context in rollout and training."""
+    if resolve_mixed_precision(mixed_precision, device).mode == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return nullcontext()
 

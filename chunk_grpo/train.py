@@ -53,6 +53,7 @@ from chunk_grpo.policy_setup import (
     trainable_state_dict,
 )
 from chunk_grpo.policy_update import optimizer_step_after, plan_units, update_policy
+from chunk_grpo.precision import resolve_mixed_precision
 from chunk_grpo.profile import measure_dynamics, propose_chunks, save_profile
 from chunk_grpo.rollout import sample_rollouts
 from chunk_grpo.schedule import dynamic_shift
@@ -427,6 +428,8 @@ def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = F
     if info.is_main:
         print(f"[chunk-grpo] run dir {run_dir}; chunks {list(tr.layout.sizes)}; "
               f"steps {start}..{cfg.max_steps}", flush=True)
+        precision = resolve_mixed_precision(cfg.mixed_precision, info.device)
+        print(f"[chunk-grpo] mixed precision: {precision.mode} ({precision.reason})", flush=True)
     t_start = time.time()
     bar = tqdm(range(start, cfg.max_steps), initial=start, total=cfg.max_steps,
                disable=not (cfg.progress and info.is_main), desc="chunk-grpo")

@@ -85,7 +85,7 @@ def test_sde_window_sets_the_trained_transitions():
         ({"kl_coef": 0.1, "kl_ref": "reference", "lora_rank": 0}, "needs LoRA"),
         ({"eval_hybrid_steps": -1}, "eval_hybrid_steps must be >= 0"),
         ({"micro_batch_size": 0}, "micro_batch_size must be >= 1"),
-        ({"mixed_precision": "fp16"}, "mixed_precision must be one of no, bf16"),
+        ({"mixed_precision": "fp16"}, "mixed_precision must be one of auto, no, bf16"),
         ({"chunks": "2,3,4", "num_steps": 16, "sde_window": 0},
          "chunks: chunk sizes '2,3,4' sum to 9 but there are 15"),
         ({"chunks": "big"}, "chunks: chunks must be 'auto', 'step', 'sequence'"),
