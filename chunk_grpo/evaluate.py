@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from PIL import Image, ImageDraw, ImageFont
 
+from chunk_grpo.metrics import reward_captions, save_image_grid
 from chunk_grpo.paired import SAMPLE_DECIMALS, paired_difference
 from chunk_grpo.rewards import Reward, get_reward
 from chunk_grpo.rollout import SDE_KINDS, generate
@@ -127,30 +126,6 @@ def evaluate_policy(
                       images_per_prompt)
 
 
-def captioned_grid(
-    images: torch.Tensor, captions: list[str], *, columns: int = 8, cell: int = 128
-) -> Image.Image:
-    """One PIL image: each image scaled to `cell` pixels with its caption underneath."""
-    if len(captions) != images.shape[0]:
-        raise ValueError(f"{images.shape[0]} images but {len(captions)} captions")
-    font = ImageFont.load_default()
-    chars_per_line = max(8, cell // 6)
-    wrapped = [textwrap.wrap(c, chars_per_line) or [""] for c in captions]
-    line_height = 11
-    text_height = line_height * max(len(lines) for lines in wrapped) + 4
-    rows = math.ceil(len(captions) / columns)
-    cols = min(columns, len(captions))
-    sheet = Image.new("RGB", (cols * cell, rows * (cell + text_height)), "white")
-    draw = ImageDraw.Draw(sheet)
-    pixels = (images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
-    for i, (image, lines) in enumerate(zip(pixels, wrapped, strict=True)):
-        x, y = (i % columns) * cell, (i // columns) * (cell + text_height)
-        sheet.paste(Image.fromarray(image).resize((cell, cell), Image.NEAREST), (x, y))
-        for j, line in enumerate(lines):
-            draw.text((x + 2, y + cell + 2 + j * line_height), line, fill="black", font=font)
-    return sheet
-
-
 def write_outputs(result: EvalResult, out_dir: str | Path, settings: dict, grid_max: int = 64,
                   extra: dict | None = None):
     """metrics.json (with ``extra`` entries), samples.jsonl and grid.png (the first
@@ -165,9 +140,8 @@ def write_outputs(result: EvalResult, out_dir: str | Path, settings: dict, grid_
         for prompt, value in zip(result.prompts, result.rewards.tolist(), strict=True):
             f.write(json.dumps({"prompt": prompt, "reward": round(value, SAMPLE_DECIMALS)}) + "\n")
     k = min(grid_max, result.n)
-    scores = result.rewards[:k].tolist()
-    captions = [f"{r:.2f}  {p}" for p, r in zip(result.prompts[:k], scores, strict=True)]
-    captioned_grid(result.images[:k], captions).save(out / "grid.png")
+    save_image_grid(result.images[:k], out / "grid.png",
+                    reward_captions(result.prompts[:k], result.rewards[:k]))
 
 
 def _parser() -> argparse.ArgumentParser:

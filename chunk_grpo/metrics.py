@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from pathlib import Path
 
-import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, ImageDraw, ImageFont
 
 
 class MetricsLogger:
@@ -62,24 +62,44 @@ def read_metrics(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def image_grid(images: torch.Tensor, ncols: int) -> Image.Image:
-    """[B, 3, H, W] in [0, 1] -> one PIL image, ``ncols`` per row."""
-    b, _, h, w = images.shape
-    nrows = math.ceil(b / ncols)
-    grid = np.full((nrows * h, ncols * w, 3), 255, dtype=np.uint8)
-    pixels = (images.detach().float().clamp(0, 1) * 255).round().byte().permute(0, 2, 3, 1)
-    for i, img in enumerate(pixels.cpu().numpy()):
-        r, c = divmod(i, ncols)
-        grid[r * h:(r + 1) * h, c * w:(c + 1) * w] = img
-    return Image.fromarray(grid)
+def captioned_grid(
+    images: torch.Tensor, captions: list[str], *, columns: int = 8, cell: int = 128
+) -> Image.Image:
+    """One PIL image: each image scaled to `cell` pixels with its caption underneath (pixel art is
+    enlarged with nearest-neighbour so it stays sharp; large images are reduced with Lanczos)."""
+    if len(captions) != images.shape[0]:
+        raise ValueError(f"{images.shape[0]} images but {len(captions)} captions")
+    font = ImageFont.load_default()
+    chars_per_line = max(8, cell // 6)
+    wrapped = [textwrap.wrap(c, chars_per_line) or [""] for c in captions]
+    line_height = 11
+    text_height = line_height * max(len(lines) for lines in wrapped) + 4
+    rows = math.ceil(len(captions) / columns)
+    cols = min(columns, len(captions))
+    sheet = Image.new("RGB", (cols * cell, rows * (cell + text_height)), "white")
+    draw = ImageDraw.Draw(sheet)
+    pixels = images.detach().float().cpu().clamp(0, 1).mul(255).round().to(torch.uint8)
+    resample = Image.NEAREST if images.shape[-1] <= cell else Image.LANCZOS
+    for i, (image, lines) in enumerate(zip(pixels.permute(0, 2, 3, 1).numpy(), wrapped,
+                                           strict=True)):
+        x, y = (i % columns) * cell, (i // columns) * (cell + text_height)
+        sheet.paste(Image.fromarray(image).resize((cell, cell), resample), (x, y))
+        for j, line in enumerate(lines):
+            draw.text((x + 2, y + cell + 2 + j * line_height), line, fill="black", font=font)
+    return sheet
 
 
-def save_image_grid(images: torch.Tensor, path: str | Path, ncols: int,
-                    captions: list[str] | None = None) -> Path:
-    """Save a grid PNG, and the row captions next to it as a .txt file."""
+def reward_captions(prompts: list[str], rewards: torch.Tensor | list[float]) -> list[str]:
+    """"0.42  three red circles": the caption of a scored image."""
+    values = rewards.tolist() if isinstance(rewards, torch.Tensor) else list(rewards)
+    return [f"{r:.2f}  {p}" for p, r in zip(prompts, values, strict=True)]
+
+
+def save_image_grid(images: torch.Tensor, path: str | Path, captions: list[str], *,
+                    columns: int = 8) -> Path:
+    """Save a captioned grid PNG, and the captions next to it as a .txt file (one per image)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    image_grid(images, ncols).save(path)
-    if captions:
-        path.with_suffix(".txt").write_text("\n".join(captions) + "\n")
+    captioned_grid(images, captions, columns=columns).save(path)
+    path.with_suffix(".txt").write_text("\n".join(captions) + "\n")
     return path

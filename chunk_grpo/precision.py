@@ -83,7 +83,7 @@ def bf16_faster_by_benchmark(size: int = 256, repeats: int = 5) -> tuple[bool, f
     return bf16 < 0.8 * fp32, fp32, bf16
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _auto_choice(device_type: str) -> PrecisionChoice:
     if device_type == "cuda":
         if torch.cuda.is_bf16_supported():

@@ -13,9 +13,9 @@ import json
 from pathlib import Path
 
 import torch
-from PIL import Image, ImageDraw
 
 from chunk_grpo.chunking import ChunkLayout, relative_change, segment_by_dynamics
+from chunk_grpo.plots import line_plot
 from chunk_grpo.rollout import denoise
 from chunk_grpo.schedule import flux_sigmas
 
@@ -49,34 +49,16 @@ def propose_chunks(curve: torch.Tensor, max_size: int = 5,
     return segment_by_dynamics(curve[:w], max_size=max_size)
 
 
-def plot_profile(curve: torch.Tensor, layout: ChunkLayout, path: str | Path,
-                 size: tuple[int, int] = (640, 360)) -> Path:
-    """A line plot of the curve with the chunk boundaries as vertical lines (PNG)."""
-    w, h = size
-    pad = 40
-    img = Image.new("RGB", size, "white")
-    draw = ImageDraw.Draw(img)
-    values = curve.tolist()
-    top = max(values) * 1.1 or 1.0
-    n = len(values)
-
-    def xy(i: float, v: float) -> tuple[float, float]:
-        return pad + i * (w - 2 * pad) / max(1, n - 1), h - pad - v / top * (h - 2 * pad)
-
-    draw.line([(pad, h - pad), (w - pad, h - pad)], fill="black")
-    draw.line([(pad, pad), (pad, h - pad)], fill="black")
-    for start in layout.starts[1:]:
-        x = xy(start - 0.5, 0)[0]
-        draw.line([(x, pad), (x, h - pad)], fill=(200, 80, 80))
-    draw.line([xy(i, v) for i, v in enumerate(values)], fill=(30, 90, 200), width=2)
-    for i, v in enumerate(values):
-        x, y = xy(i, v)
-        draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=(30, 90, 200))
-    draw.text((pad, 8), f"L1rel(t) per step; chunks {list(layout.sizes)} (red: boundaries)",
-              fill="black")
-    draw.text((pad, h - pad + 8), "step t (0 = highest noise)", fill="black")
-    img.save(path)
-    return Path(path)
+def plot_profile(curve: torch.Tensor, layout: ChunkLayout, path: str | Path) -> Path:
+    """The curve per step with the chunk boundaries as red vertical lines (PNG)."""
+    steps = list(range(curve.numel()))
+    return line_plot({"L1rel": (steps, curve.tolist())}, path,
+                     title=f"temporal dynamics: L1rel(t) per sampling step; chunks "
+                           f"{list(layout.sizes)}",
+                     xlabel="sampling step t (0 = highest noise)",
+                     ylabel="L1rel(t) = mean|x(t+1) - x(t)| / mean|x(t)|",
+                     vlines=[start - 0.5 for start in layout.starts[1:]],
+                     vline_label="chunk boundary")
 
 
 def save_profile(curve: torch.Tensor, layout: ChunkLayout, out_dir: str | Path) -> None:

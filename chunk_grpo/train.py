@@ -44,7 +44,7 @@ from chunk_grpo.config import (
     run_cli,
     save_config,
 )
-from chunk_grpo.metrics import MetricsLogger, save_image_grid
+from chunk_grpo.metrics import MetricsLogger, reward_captions, save_image_grid
 from chunk_grpo.optim import EMA, build_lr_scheduler, build_optimizer
 from chunk_grpo.policy_setup import (
     export_pipeline,
@@ -190,7 +190,7 @@ def train_iteration(tr: Trainer, step: int) -> tuple[dict, bool]:
     metrics.update(timer.seconds)
     if tr.cfg.image_grid_every and step % tr.cfg.image_grid_every == 0 and info.is_main:
         save_image_grid(rollout.images, tr.run_dir / "images" / f"rollout-{step:06d}.png",
-                        ncols=cfg.group_size, captions=prompts)
+                        reward_captions(row_prompts, scores[0]), columns=cfg.group_size)
     return metrics, result.skipped_steps == 0
 
 
@@ -229,7 +229,7 @@ def evaluate(tr: Trainer, step: int) -> dict:
                 out[f"{name}/gain_vs_base"], out[f"{name}/gain_ci95"] = gain, gain_ci
             if tr.info.is_main:
                 save_image_grid(res.images[:32], tr.run_dir / "images" / f"{name}-{step:06d}.png",
-                                ncols=8, captions=res.prompts[:32])
+                                reward_captions(res.prompts[:32], res.rewards[:32]))
     finally:
         if tr.ema is not None:
             tr.ema.swap()

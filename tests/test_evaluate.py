@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from chunk_grpo.evaluate import captioned_grid, evaluate_policy, main, mean_ci95
+from chunk_grpo.evaluate import evaluate_policy, main, mean_ci95
+from chunk_grpo.metrics import captioned_grid
 from chunk_grpo.models import FluxPolicy
 from chunk_grpo.models.tiny import save_tiny_flux
 from chunk_grpo.rewards import get_reward
