@@ -23,7 +23,7 @@ def test_profile_cli(tmp_path, capsys):
     assert layout.num_trained == 7 and max(layout.sizes) <= 5
     saved = json.loads((out / "profile.json").read_text())
     assert len(saved["l1rel"]) == 8 and saved["chunks"] == list(layout.sizes)
-    assert Image.open(out / "profile.png").size == (640, 360)
+    assert Image.open(out / "profile.png").size == (720, 434)  # plot and a one-entry legend
 
 
 def test_measure_dynamics_is_the_mean_relative_change(tmp_path):
