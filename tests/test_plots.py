@@ -21,8 +21,8 @@ def test_ticks_are_round_and_cover_the_range(low, high):
 
 def test_plot_draws_series_and_boundaries(tmp_path):
     series = {"a": ([0, 1, 2], [0.1, 0.3, 0.2]), "b": ([0, 1, 2], [0.2, float("nan"), 0.1])}
-    path = line_plot(series, tmp_path / "p.png", title="t", xlabel="step", ylabel="reward", vlines=[0.5],
-                     vline_label="boundary")
+    path = line_plot(series, tmp_path / "p.png", title="t", xlabel="step", ylabel="reward",
+                     vlines=[0.5], vline_label="boundary")
     pixels = np.asarray(Image.open(path).convert("RGB")).reshape(-1, 3)
     for colour in ((31, 119, 180), (255, 127, 14), (214, 39, 40)):
         assert (pixels == colour).all(1).any()
