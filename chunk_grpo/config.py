@@ -125,6 +125,7 @@ class TrainConfig:
     # --- evaluation, logging, checkpoints, faults ------------------------------------------
     eval_every: int = 50  # iterations between evaluations (0 = only at the end)
     eval_images: int = 32  # held-out images per periodic evaluation
+    final_eval_images: int = 256  # held-out images of the final evaluation (the run's summary)
     eval_hybrid_steps: int = 8  # >0: also evaluate hybrid inference, this many policy steps
     log_every: int = 1
     image_grid_every: int = 25  # iterations between rollout image grids (0 = never)
@@ -153,7 +154,8 @@ class TrainConfig:
         _choice("device", self.device, ("auto", "cpu", "cuda"))
         for name in ("num_steps", "group_size", "prompts_per_step", "rollout_batch_size",
                      "micro_batch_size", "ppo_epochs", "profile_prompts", "max_chunk_size",
-                     "eval_images", "log_every", "keep_checkpoints", "max_bad_steps"):
+                     "eval_images", "final_eval_images", "log_every", "keep_checkpoints",
+                     "max_bad_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_steps", "grad_accum", "warmup_steps", "eval_every", "checkpoint_every",

@@ -81,10 +81,15 @@ def evaluate_policy(
     hybrid_base=None,
     hybrid_steps: int = 0,
     progress: bool = False,
+    fidelity: Reward | None = None,
 ) -> EvalResult:
     """Sample `images_per_prompt` images per prompt with `chunk_grpo.rollout.generate` and score
     them. num_steps/shift default to the model's sampling defaults; the same seed gives the same
-    images."""
+    images.
+
+    Attributes (per-attribute accuracies) come from the reward's own `details` when it has them,
+    else from ``fidelity`` (e.g. the shapes reward's GenEval-like checks beside a learned reward,
+    with its score as ``fidelity_score``): they tell prompt fidelity kept from reward hacking."""
     if isinstance(prompts, str) or not prompts:
         raise ValueError("prompts must be a non-empty list of strings")
     if images_per_prompt < 1:
@@ -111,19 +116,25 @@ def evaluate_policy(
         progress=progress,
     ).cpu()
     seconds = time.perf_counter() - start
-    attributes: dict[str, float] = {}
     if hasattr(scorer, "details"):
         details = scorer.details(images, all_prompts)
         rewards = details.pop("score")
-        for key, values in details.items():
-            finite = values[~torch.isnan(values)]
-            attributes[key] = float(finite.mean()) if finite.numel() else math.nan
     else:
         rewards = scorer(images, all_prompts)
-    rewards = rewards.float().cpu()
+        details = {}
+        if fidelity is not None and hasattr(fidelity, "details"):
+            details = fidelity.details(images, all_prompts)
+            details["fidelity_score"] = details.pop("score")
+    attributes = {key: _nan_mean(values) for key, values in details.items()}
+    rewards = torch.as_tensor(rewards).float().cpu()
     mean, ci = mean_ci95(rewards)
     return EvalResult(mean, ci, len(all_prompts), rewards, all_prompts, images, attributes, seconds,
                       images_per_prompt)
+
+
+def _nan_mean(values: torch.Tensor) -> float:
+    finite = values[~torch.isnan(values)]
+    return float(finite.mean()) if finite.numel() else math.nan
 
 
 def write_outputs(result: EvalResult, out_dir: str | Path, settings: dict, grid_max: int = 64,

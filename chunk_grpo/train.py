@@ -22,9 +22,10 @@ overlap); the hybrid-evaluation base model is a second frozen copy of the base w
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -55,9 +56,13 @@ from chunk_grpo.policy_setup import (
 from chunk_grpo.policy_update import optimizer_step_after, plan_units, update_policy
 from chunk_grpo.precision import resolve_mixed_precision
 from chunk_grpo.profile import measure_dynamics, propose_chunks, save_profile
+from chunk_grpo.rewards import get_reward
 from chunk_grpo.rollout import sample_rollouts
 from chunk_grpo.schedule import dynamic_shift
 from chunk_grpo.stats import mean_ci95
+from chunk_grpo.summary import Comparison, before_after_grid, save_summary, summary_text
+
+GRID_IMAGES = 32  # evaluation images kept for grids (the rest are dropped after scoring)
 
 
 class TrainingDiverged(RuntimeError):
@@ -83,7 +88,9 @@ class Trainer:
     chunk_weights: torch.Tensor | None
     logger: MetricsLogger
     base_policy: object = None  # frozen base for hybrid evaluation
-    base_eval_rewards: torch.Tensor | None = None  # the base's rewards on the eval images
+    fidelity_fn: object = None  # a reward with `details` reported beside the trained one
+    base_evals: dict = field(default_factory=dict)  # image count -> the base's EvalResult
+    final_evals: dict = field(default_factory=dict)  # "eval"/"eval_hybrid" -> final EvalResult
 
     @property
     def shift(self) -> float:
@@ -200,18 +207,23 @@ def _mean(values: list[float]) -> float:
 
 # ----------------------------------------------------------------------------- evaluation
 
-def evaluate(tr: Trainer, step: int) -> dict:
+def evaluate(tr: Trainer, step: int, final: bool = False) -> dict:
     """Held-out reward with 95% CI (ODE sampling with the model's default steps and shift, EMA
-    weights if any), and hybrid inference. With the base model at hand, also the paired gain
-    over it: the same images (prompts and initial noise) sampled by the base, once per run."""
+    weights if any), and hybrid inference; with a fidelity reward (the shapes checks on shapes
+    prompts) its per-attribute accuracies too. With the base model at hand, also the paired gain
+    over it: the same images (prompts and initial noise) sampled by the base, once per image
+    count. ``final``: `final_eval_images` images, kept in ``tr.final_evals`` for the summary."""
     from chunk_grpo.evaluate import evaluate_policy
 
     cfg, out = tr.cfg, {}
-    prompts = [tr.eval_prompts[i % len(tr.eval_prompts)] for i in range(cfg.eval_images)]
-    settings = dict(reward=tr.reward_fn, seed=cfg.seed + 1, cfg_scale=tr.cfg_scale,
-                    batch_size=cfg.rollout_batch_size)
-    if tr.base_policy is not None and tr.base_eval_rewards is None:
-        tr.base_eval_rewards = evaluate_policy(tr.base_policy, prompts, **settings).rewards
+    count = cfg.final_eval_images if final else cfg.eval_images
+    prompts = [tr.eval_prompts[i % len(tr.eval_prompts)] for i in range(count)]
+    settings = dict(reward=tr.reward_fn, fidelity=tr.fidelity_fn, seed=cfg.seed + 1,
+                    cfg_scale=tr.cfg_scale, batch_size=cfg.rollout_batch_size)
+    if tr.base_policy is not None and count not in tr.base_evals:
+        base = evaluate_policy(tr.base_policy, prompts, **settings)
+        tr.base_evals[count] = dataclasses.replace(base, images=base.images[:GRID_IMAGES])
+    base_eval = tr.base_evals.get(count)
     if tr.ema is not None:
         tr.ema.swap()
     try:
@@ -224,9 +236,12 @@ def evaluate(tr: Trainer, step: int) -> dict:
                                   **settings)
             out[f"{name}/reward_mean"] = res.reward_mean
             out[f"{name}/reward_ci95"] = res.reward_ci95
-            if tr.base_eval_rewards is not None:
-                gain, gain_ci = mean_ci95(res.rewards - tr.base_eval_rewards)
+            out.update({f"{name}/{key}": value for key, value in res.attributes.items()})
+            if base_eval is not None:
+                gain, gain_ci = mean_ci95(res.rewards - base_eval.rewards)
                 out[f"{name}/gain_vs_base"], out[f"{name}/gain_ci95"] = gain, gain_ci
+            if final:
+                tr.final_evals[name] = dataclasses.replace(res, images=res.images[:GRID_IMAGES])
             if tr.info.is_main:
                 save_image_grid(res.images[:32], tr.run_dir / "images" / f"{name}-{step:06d}.png",
                                 reward_captions(res.prompts[:32], res.rewards[:32]))
@@ -234,6 +249,21 @@ def evaluate(tr: Trainer, step: int) -> dict:
         if tr.ema is not None:
             tr.ema.swap()
     return out
+
+
+def finish_summary(tr: Trainer, iterations: int, minutes: float, model_dir: Path | None) -> str:
+    """The run's closing screen (before -> after on the final evaluation), saved in the run
+    directory with a before/after grid."""
+    base = tr.base_evals.get(tr.cfg.final_eval_images)
+    comparisons = [] if base is None else [
+        Comparison.of(name, base, res) for name, res in tr.final_evals.items()]
+    text = summary_text(run_dir=tr.run_dir, reward=tr.cfg.reward, comparisons=comparisons,
+                        iterations=iterations, minutes=minutes,
+                        hybrid_steps=tr.cfg.eval_hybrid_steps, model_dir=model_dir)
+    save_summary(tr.run_dir, text, comparisons)
+    if base is not None and "eval" in tr.final_evals:
+        before_after_grid(base, tr.final_evals["eval"], tr.run_dir / "images" / "before_after.png")
+    return text
 
 
 # ----------------------------------------------------------------------------- setup
@@ -304,8 +334,6 @@ def _default_run_dir() -> Path:
 
 def resolve_reward(cfg: TrainConfig):
     """The configured reward, or a ConfigError that says how to name one."""
-    from chunk_grpo.rewards import get_reward
-
     try:
         return get_reward(cfg.reward)
     except ValueError as err:
@@ -361,12 +389,15 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, info: D.DistInfo,
         base = load_policy(cfg, info.device)
         base.transformer.requires_grad_(False).eval()
     weights = layout.chunk_weights(curve) if curve is not None else None
+    # On shapes prompts, the shapes world's checks say whether a learned reward's gain kept
+    # prompt fidelity (colour, shape, count, position) or came from reward hacking.
+    fidelity = get_reward("shapes") if cfg.eval_prompts.startswith("shapes:") else None
     return Trainer(cfg=cfg, info=info, run_dir=run_dir, policy=policy, params=params,
                    optimizer=optimizer, scheduler=scheduler, ema=ema,
                    reward_fn=reward_fn, train_prompts=_prompt_list(cfg.train_prompts),
                    eval_prompts=_prompt_list(cfg.eval_prompts), layout=layout,
                    chunk_weights=weights, logger=MetricsLogger(run_dir, enabled=info.is_main),
-                   base_policy=base)
+                   base_policy=base, fidelity_fn=fidelity)
 
 
 def _checkpoint_state(tr: Trainer, bad_streak: int) -> dict:
@@ -441,7 +472,7 @@ def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = F
             cfg.max_minutes > 0 and time.time() - t_start > 60 * cfg.max_minutes)
         if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or done:
             t = time.perf_counter()
-            metrics.update(evaluate(tr, step + 1))
+            metrics.update(evaluate(tr, step + 1, final=done))
             metrics["time/eval"] = time.perf_counter() - t
         if (step + 1) % cfg.log_every == 0 or done or not finite:
             tr.logger.log(step + 1, metrics)
@@ -462,7 +493,11 @@ def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = F
         if done:
             break
     if info.is_main:
-        export_final(tr)
+        model_dir = export_final(tr)
+        minutes = (time.time() - t_start) / 60
+        text = finish_summary(tr, step + 1 - start, minutes, model_dir)
+        if cfg.progress:
+            print(text, flush=True)
     tr.logger.close()
     return run_dir
 

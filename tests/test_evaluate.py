@@ -173,3 +173,18 @@ def test_paired_difference_values_and_mismatches(tmp_path):
         paired_difference(["p", "q", "r"], rewards, {"seed": 1}, base)
     with pytest.raises(ValueError, match="not an evaluation directory"):
         paired_difference(["p"], rewards[:1], {}, tmp_path / "missing")
+
+
+def test_fidelity_checks_are_reported_beside_a_reward_without_details(policy):
+    def brightness(images, prompts):
+        return images.mean(dim=(1, 2, 3))
+
+    shapes = get_reward("shapes")
+    res = evaluate_policy(policy, PROMPTS, reward=brightness, fidelity=shapes, num_steps=2,
+                          seed=3)
+    expected = shapes.details(res.images, res.prompts)
+    torch.testing.assert_close(res.rewards, brightness(res.images, res.prompts))
+    assert res.attributes["fidelity_score"] == pytest.approx(float(expected["score"].mean()))
+    assert res.attributes["colour_acc"] == pytest.approx(float(expected["colour_acc"].mean()))
+    plain = evaluate_policy(policy, PROMPTS, reward=brightness, num_steps=2, seed=3)
+    assert plain.attributes == {}

@@ -43,8 +43,8 @@ def test_cli_two_steps_auto_chunks_and_export(tmp_path):
           "--num-steps", "6", "--group-size", "4", "--prompts-per-step", "2",
           "--micro-batch-size", "4", "--chunks", "auto", "--weighted-chunks", "true",
           "--sde-window", "0", "--chunk-fraction", "0.5", "--max-steps", "2", "--eval-images", "4",
-          "--eval-hybrid-steps", "2", "--image-grid-every", "1", "--progress", "false",
-          "--lr", "1e-3"])
+          "--final-eval-images", "6", "--eval-hybrid-steps", "2", "--image-grid-every", "1",
+          "--progress", "false", "--lr", "1e-3"])
     saved = yaml.safe_load((out / "config.yaml").read_text())
     assert saved["num_steps"] == 6 and saved["chunks"] == "auto"
     profile = json.loads((out / "profile.json").read_text())
@@ -60,6 +60,15 @@ def test_cli_two_steps_auto_chunks_and_export(tmp_path):
     assert "eval/gain_vs_base" in records[-1] and "eval_hybrid/gain_ci95" in records[-1]
     assert list((out / "tensorboard").iterdir())
     assert (out / "images" / "rollout-000000.png").exists()
+    # The closing summary: the final evaluation (6 images) paired against the base's.
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary) == {"eval", "eval_hybrid"} and summary["eval"]["n"] == 6
+    final = records[-1]
+    assert summary["eval"]["gain"] == pytest.approx(final["eval/gain_vs_base"], abs=1e-9)
+    assert summary["eval"]["after"] == pytest.approx(final["eval/reward_mean"], abs=1e-9)
+    text = (out / "summary.txt").read_text()
+    assert "paired gain" in text and str(out / "final_model") in text and "--resume" in text
+    assert (out / "images" / "before_after.png").exists()
     state = torch.load(latest_checkpoint(out) / "state.pt", weights_only=False)
     assert state["chunk_layout"] == profile["chunks"]
 
@@ -174,7 +183,7 @@ def test_eval_gain_vs_base_is_exactly_zero_before_training(tmp_path):
     tr = build_trainer(cfg, tmp_path / "run", init_distributed("cpu"))
     out = evaluate(tr, 0)
     assert out["eval/gain_vs_base"] == 0.0 and out["eval_hybrid/gain_vs_base"] == 0.0
-    assert tr.base_eval_rewards.shape == (3,)
+    assert tr.base_evals[3].rewards.shape == (3,)
     with torch.no_grad():  # move the policy: the gain is now measured against the cached base
         for p in tr.params:
             p.add_(0.5)
@@ -182,4 +191,4 @@ def test_eval_gain_vs_base_is_exactly_zero_before_training(tmp_path):
     assert moved["eval/gain_vs_base"] != 0.0
     # fp32 rewards: the mean of differences and the difference of means agree to ~1e-8.
     assert moved["eval/gain_vs_base"] == pytest.approx(
-        moved["eval/reward_mean"] - float(tr.base_eval_rewards.mean()), abs=1e-6)
+        moved["eval/reward_mean"] - float(tr.base_evals[3].rewards.mean()), abs=1e-6)

@@ -44,6 +44,7 @@ def tiny_config(model_dir: Path, out_dir: Path, **overrides):
     values = dict(model=str(model_dir), reward="test_brightness", output_dir=str(out_dir),
                   num_steps=5, group_size=4, prompts_per_step=2, micro_batch_size=4,
                   rollout_batch_size=8, chunks="2,2", max_steps=2, eval_images=4,
+                  final_eval_images=4,
                   image_grid_every=0, progress=False, eta=0.7, lr=1e-3, eval_hybrid_steps=0,
                   max_minutes=0, eval_every=0, checkpoint_every=0,
                   # the mechanics under test: full fine-tuning, every step stochastic
