@@ -1,10 +1,6 @@
-"""The `hpsv3` reward on a tiny random Qwen2-VL saved in the authors' checkpoint layout.
-
-The fixture writes what a user downloads: HPSv3.safetensors with the flat transformers-4.45 key
-names (`visual.*`, `model.*`, `lm_head.*`, `rm_head.{0,3,5}.*`) and an embedding resized to the
-tokenizer + <|Reward|>, next to Qwen2-VL-style config.json (flat, padded vocab_size),
-preprocessor_config.json and tokenizer files (which do not contain <|Reward|>).
-"""
+"""The `hpsv3` reward on a tiny random Qwen2-VL saved in the authors' checkpoint layout
+(tests/hpsv3_tiny.py), loaded through the registry and compared with the authors' forward
+recomputed by hand."""
 
 from __future__ import annotations
 
@@ -14,114 +10,30 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from hpsv3_tiny import (
+    PROMPTS,
+    PUBLISHED_PREPROCESSOR,
+    QWEN2_VL_TEMPLATE,
+    SPECIALS,
+    authors_state_dict,
+    save_tiny_hpsv3,
+    tiny_tokenizer,
+)
 from PIL import Image
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from torch import nn
-from transformers import Qwen2TokenizerFast, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import Qwen2TokenizerFast
 
 from chunk_grpo.rewards import get_reward
 from chunk_grpo.rewards import hpsv3 as hps
 from chunk_grpo.rewards.hpsv3_checkpoint import HPSv3LoadError
-
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>",
-            "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>",
-            "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
-            "<|image_pad|>", "<|video_pad|>"]
-# Qwen2-VL-7B-Instruct's published chat template.
-QWEN2_VL_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
-    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
-    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture "
-    "{{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif content['type'] == 'video' or 'video' in content %}"
-    "{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video "
-    "{{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-PUBLISHED_PREPROCESSOR = {
-    "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2,
-    "merge_size": 2, "image_mean": [0.48145466, 0.4578275, 0.40821073],
-    "image_std": [0.26862954, 0.26130258, 0.27577711],
-    "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2VLProcessor",
-}
-PROMPTS = ["a red circle", "two blue squares on the left", "a cat"]
-
-
-def _tiny_tokenizer() -> Qwen2TokenizerFast:
-    """A byte-level BPE trained offline on the instruction, with Qwen2-VL's special tokens."""
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator([hps.INSTRUCTION] + PROMPTS, trainer)
-    tokenizer = Qwen2TokenizerFast(tokenizer_object=bpe, additional_special_tokens=SPECIALS[1:],
-                                   eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   unk_token=None, bos_token=None)
-    tokenizer.chat_template = QWEN2_VL_TEMPLATE
-    return tokenizer
-
-
-def _flat_config(tokenizer) -> dict:
-    """Qwen2-VL-7B-Instruct's config.json layout (transformers 4.45: text keys at the top),
-    with tiny sizes; vocab_size is padded above the tokenizer as the published one is."""
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIALS}
-    return {
-        "architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl",
-        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_act": "silu",
-        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-        "rope_scaling": {"type": "mrope", "mrope_section": [2, 1, 1]},
-        "vocab_size": len(tokenizer) + 64, "tie_word_embeddings": False,
-        "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
-        "vision_start_token_id": ids["<|vision_start|>"],
-        "vision_end_token_id": ids["<|vision_end|>"], "vision_token_id": ids["<|vision_pad|>"],
-        "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
-        "torch_dtype": "bfloat16",
-        "vision_config": {"depth": 1, "embed_dim": 16, "mlp_ratio": 2, "num_heads": 2,
-                          "in_chans": 3, "hidden_size": 32, "patch_size": 14,
-                          "spatial_merge_size": 2, "spatial_patch_size": 14,
-                          "temporal_patch_size": 2},
-    }
-
-
-def _authors_state_dict(model: Qwen2VLForConditionalGeneration, head: nn.Sequential) -> dict:
-    """transformers-5 names -> the flat names of the authors' checkpoint (written by hand here,
-    independently of the loader's mapping)."""
-    out = {}
-    for key, value in model.state_dict().items():
-        if key.startswith("model.visual."):
-            key = key[len("model."):]
-        elif key.startswith("model.language_model."):
-            key = "model." + key[len("model.language_model."):]
-        out[key] = value.clone().contiguous()
-    out.update({f"rm_head.{k}": v.clone() for k, v in head.state_dict().items()})
-    return out
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(directory in the authors' layout, reference model, reference head, tokenizer)."""
     root = tmp_path_factory.mktemp("hpsv3")
-    tokenizer = _tiny_tokenizer()
-    tokenizer.save_pretrained(root)
-    config_dict = _flat_config(tokenizer)
-    (root / "config.json").write_text(json.dumps(config_dict))
-    (root / "preprocessor_config.json").write_text(json.dumps(PUBLISHED_PREPROCESSOR))
-    config = Qwen2VLConfig.from_pretrained(root)
-    config.text_config.vocab_size = len(tokenizer) + 1  # the authors' resize, + <|Reward|>
-    torch.manual_seed(0)
-    model = Qwen2VLForConditionalGeneration(config).float().eval()
-    head = nn.Sequential(nn.Linear(32, 1024), nn.ReLU(), nn.Dropout(0.05), nn.Linear(1024, 16),
-                         nn.ReLU(), nn.Linear(16, 2)).eval()
-    save_file(_authors_state_dict(model, head), str(root / "HPSv3.safetensors"))
-    return root, model, head, tokenizer
+    return (root, *save_tiny_hpsv3(root))
 
 
 def _images(n: int, size: int = 64, seed: int = 1) -> torch.Tensor:
@@ -132,7 +44,7 @@ def _reference_scores(tiny, images: torch.Tensor, prompts: list[str]) -> torch.T
     """The authors' forward, one image at a time, on the in-memory model: embeddings with the
     image features scattered in, the decoder with no position ids, the head at <|Reward|>."""
     _, model, head, tokenizer = tiny
-    tok = _tiny_tokenizer()
+    tok = tiny_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": ["<|Reward|>"]})
     reward_id = tok.convert_tokens_to_ids("<|Reward|>")
     scores = []
@@ -275,7 +187,7 @@ def test_hub_id_resolves_from_the_cache_only(tiny, tmp_path, monkeypatch):
 
 def test_tokenizer_that_does_not_match_the_model_is_an_error(tiny, tmp_path):
     target = _copy(tiny, tmp_path)
-    grown = _tiny_tokenizer()
+    grown = tiny_tokenizer()
     grown.add_tokens(["<|extra|>"])  # one token more than the checkpoint's embedding
     grown.save_pretrained(target)
     with pytest.raises(HPSv3LoadError, match=r"tokens with <\|Reward\|> but the checkpoint's "
@@ -285,7 +197,7 @@ def test_tokenizer_that_does_not_match_the_model_is_an_error(tiny, tmp_path):
 
 def test_another_chat_template_is_an_error(tiny, tmp_path):
     target = _copy(tiny, tmp_path)
-    other = _tiny_tokenizer()
+    other = tiny_tokenizer()
     other.chat_template = QWEN2_VL_TEMPLATE.replace("You are a helpful assistant.", "Be brief.")
     other.save_pretrained(target)
     with pytest.raises(HPSv3LoadError, match=r"chat template is not Qwen2-VL-7B-Instruct's"):
@@ -312,7 +224,7 @@ def test_wrong_preprocessing_or_checkpoint_keys_are_errors(tiny, tmp_path):
     with pytest.raises(HPSv3LoadError, match=r"HPSv3 needs .*preprocessor_config\.json"):
         get_reward("hpsv3", model=target)
     (target / "preprocessor_config.json").write_text(json.dumps(PUBLISHED_PREPROCESSOR))
-    state = _authors_state_dict(tiny[1], tiny[2])
+    state = authors_state_dict(tiny[1], tiny[2])
     del state["rm_head.5.weight"]
     save_file(state, str(target / "HPSv3.safetensors"))
     with pytest.raises(HPSv3LoadError, match=r"missing \['head\.5\.weight'\]"):
@@ -327,3 +239,15 @@ def test_bad_inputs_are_clear_errors(tiny):
         reward(_images(2), ["a"])
     with pytest.raises(ValueError, match=r"contains the text <\|Reward\|>"):
         reward(_images(1), ["a <|Reward|> b"])
+
+
+def test_bf16_backbone_keeps_an_fp32_head_and_scores_close_to_fp32(tiny):
+    """The authors' dtype split: bf16 backbone, fp32 head (on the hidden state upcast)."""
+    reward = get_reward("hpsv3", model=tiny[0], dtype="bfloat16")
+    assert {p.dtype for p in reward.backbone.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in reward.head.parameters()} == {torch.float32}
+    images = _images(2)
+    scores = reward(images, PROMPTS[:2])
+    assert scores.dtype == torch.float32
+    full = get_reward("hpsv3", model=tiny[0])(images, PROMPTS[:2])
+    torch.testing.assert_close(scores, full, rtol=0.05, atol=2e-3)
