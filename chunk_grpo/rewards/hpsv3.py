@@ -27,6 +27,7 @@ import torch
 from PIL import Image
 
 from chunk_grpo.rewards.hpsv3_checkpoint import (
+    EMBED_KEY,
     MERGE_SIZE,
     PATCH_SIZE,
     REWARD_TOKEN,
@@ -35,6 +36,7 @@ from chunk_grpo.rewards.hpsv3_checkpoint import (
     load_config,
     load_image_processor,
     load_tokenizer,
+    read_shapes,
     resolve_files,
 )
 from chunk_grpo.rewards.registry import register_reward
@@ -98,9 +100,11 @@ def user_text(prompt: str) -> str:
     return INSTRUCTION.format(text_prompt=prompt) + REWARD_QUERY
 
 
-def conversation_text(prompt: str) -> str:
-    """The full model input text for one prompt, with one `<|image_pad|>` for the image."""
-    return _CHAT_HEAD + user_text(prompt) + _CHAT_TAIL
+def conversation_text(prompt: str, n_image_tokens: int = 1) -> str:
+    """The full model input text for one prompt, with `n_image_tokens` image placeholders (the
+    chat template writes one; the processor expands it to one per merged 28x28 patch)."""
+    head = _CHAT_HEAD.replace("<|image_pad|>", "<|image_pad|>" * n_image_tokens)
+    return head + user_text(prompt) + _CHAT_TAIL
 
 
 def smart_resize(height: int, width: int) -> tuple[int, int]:
@@ -163,22 +167,21 @@ class HPSv3Reward:
             dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         self.batch_size = batch_size
+        # Every check runs before the weights are read (16.6 GB at 7B).
         checkpoint, processor_dir = resolve_files(model, processor)
         config = load_config(processor_dir)
+        shapes = read_shapes(checkpoint)
         self.image_processor = load_image_processor(processor_dir, config)
-        backbone, head = build_model(checkpoint, config, self.dtype)
-        self.tokenizer = load_tokenizer(processor_dir, config, config.text_config.vocab_size)
+        self.tokenizer = load_tokenizer(processor_dir, config, shapes[EMBED_KEY][0])
         _check_chat_template(self.tokenizer, str(processor_dir))
         self.reward_token_id = self.tokenizer.convert_tokens_to_ids(REWARD_TOKEN)
-        self.backbone = backbone.to(self.device)
-        self.head = head.to(self.device)
+        self.backbone, self.head = build_model(checkpoint, shapes, config, self.dtype, self.device)
 
     def preprocess(self, images: torch.Tensor, prompts: list[str]) -> dict[str, torch.Tensor]:
         """Model inputs for one batch: input_ids, attention_mask, pixel_values, image_grid_thw."""
         vision = self.image_processor(to_pil_images(images), return_tensors="pt")
         n_image_tokens = int(vision["image_grid_thw"][0].prod()) // MERGE_SIZE**2
-        texts = [conversation_text(p).replace("<|image_pad|>", "<|image_pad|>" * n_image_tokens)
-                 for p in prompts]
+        texts = [conversation_text(p, n_image_tokens) for p in prompts]
         tokens = self.tokenizer(texts, padding=True, return_tensors="pt")
         return {"input_ids": tokens["input_ids"], "attention_mask": tokens["attention_mask"],
                 "pixel_values": vision["pixel_values"], "image_grid_thw": vision["image_grid_thw"]}
@@ -188,8 +191,7 @@ class HPSv3Reward:
         inputs = {k: v.to(self.device) for k, v in self.preprocess(images, prompts).items()}
         ids = inputs["input_ids"]
         at_reward = ids == self.reward_token_id
-        if not torch.equal(at_reward.sum(1), torch.ones(len(ids), dtype=torch.long,
-                                                        device=ids.device)):
+        if not bool((at_reward.sum(1) == 1).all()):
             raise ValueError(f"hpsv3: a prompt contains the text {REWARD_TOKEN}; remove it")
         batch, length = ids.shape
         positions = torch.arange(length, device=self.device).expand(3, batch, length)

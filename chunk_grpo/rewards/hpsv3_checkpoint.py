@@ -39,6 +39,7 @@ HEAD_DROPOUT = 0.05
 PATCH_SIZE, MERGE_SIZE, TEMPORAL_PATCH_SIZE = 14, 2, 2
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+EMBED_KEY = "model.embed_tokens.weight"  # its rows: the tokenizer + <|Reward|>
 _PROCESSOR_FILES = ("config.json", "preprocessor_config.json", "tokenizer_config.json")
 
 
@@ -181,30 +182,33 @@ def load_image_processor(processor_dir: Path, config):
     return proc
 
 
-def _checkpoint_shapes(checkpoint: Path) -> dict[str, tuple[int, ...]]:
+def read_shapes(checkpoint: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape in the checkpoint (reads the header only), checked to be HPSv3's."""
     from safetensors import safe_open
 
     try:
         with safe_open(str(checkpoint), framework="pt") as f:
-            return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+            shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
     except Exception as err:
         raise HPSv3LoadError(f"cannot read {checkpoint} ({err}); {_hint(str(checkpoint.parent))}"
                              ) from None
+    if EMBED_KEY not in shapes:
+        raise HPSv3LoadError(f"{checkpoint} has no {EMBED_KEY}; it is not the authors' "
+                             f"{CHECKPOINT_FILE}: {_hint(str(checkpoint.parent))}")
+    return shapes
 
 
-def build_model(checkpoint: Path, config, dtype: torch.dtype) -> tuple[nn.Module, nn.Sequential]:
-    """(Qwen2VLModel in `dtype`, fp32 head) holding the checkpoint's weights."""
+def build_model(checkpoint: Path, shapes: dict[str, tuple[int, ...]], config, dtype: torch.dtype,
+                device: torch.device) -> tuple[nn.Module, nn.Sequential]:
+    """(Qwen2VLModel in `dtype`, fp32 head) on `device`, holding the checkpoint's weights."""
     from safetensors import safe_open
     from transformers import Qwen2VLModel
     from transformers.initialization import no_init_weights
 
-    shapes = _checkpoint_shapes(checkpoint)
-    embed_key = "model.embed_tokens.weight"
-    if embed_key not in shapes:
-        raise HPSv3LoadError(f"{checkpoint} has no {embed_key}; it is not the authors' "
-                             f"{CHECKPOINT_FILE}: {_hint(str(checkpoint.parent))}")
-    config.text_config.vocab_size = shapes[embed_key][0]  # resized to the tokenizer + <|Reward|>
-    with no_init_weights():  # every weight is overwritten below; skip 7B of random init
+    config.text_config.vocab_size = shapes[EMBED_KEY][0]  # resized to the tokenizer + <|Reward|>
+    # Allocated on the device and never initialised: every weight is overwritten below, and a
+    # 7B model then needs no copy in host memory.
+    with no_init_weights(), device:
         backbone = Qwen2VLModel._from_config(config, dtype=dtype, attn_implementation="sdpa")
         head = make_head(config.text_config.hidden_size)
     targets = {"backbone": backbone.state_dict(), "head": head.state_dict()}
