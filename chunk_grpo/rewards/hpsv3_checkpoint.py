@@ -1,10 +1,11 @@
 """Loading the authors' HPSv3 checkpoint onto transformers' current Qwen2-VL classes.
 
 What the authors publish (facts from github.com/MizzenAI/HPSv3 and huggingface.co/MizzenAI/HPSv3):
-- `HPSv3.safetensors` (16.6 GB, bf16 backbone, fp32 head): the state dict of their
-  `Qwen2VLRewardModelBT`, a `Qwen2VLForConditionalGeneration` of transformers 4.45/4.46 plus an
-  `rm_head`. Its keys use that version's flat module layout. The embedding table was resized to
-  the Qwen2-VL tokenizer plus one added special token, `<|Reward|>` (151658 rows at 7B).
+- `HPSv3.safetensors` (16.6 GB): the state dict of their `Qwen2VLRewardModelBT`, a
+  `Qwen2VLForConditionalGeneration` of transformers 4.45/4.46 plus an `rm_head`, trained with a
+  bf16 backbone and an fp32 head. Its keys use that version's flat module layout. Its embedding
+  was resized to the Qwen2-VL tokenizer plus one added special token, `<|Reward|>`
+  (`resize_token_embeddings(len(tokenizer))`); we read the row count from the file.
 - The config and processor are Qwen/Qwen2-VL-7B-Instruct's, unchanged; the authors add
   `<|Reward|>` to the tokenizer at load time, and so do we.
 
