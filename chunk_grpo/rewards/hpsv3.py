@@ -6,8 +6,8 @@ The head outputs (mu, sigma) of a Gaussian preference score; the score is mu (th
 inference reads `logits[:, 0]`).
 
 Scoring, as the authors' inference does it (hpsv3/inference.py and its imports):
-1. each image, as 8-bit RGB, is resized (PIL bicubic) so that H*W = 256*28*28 exactly
-   (min_pixels = max_pixels = 200704, both sides multiples of 28): 448x448 for a square image;
+1. each image, as 8-bit RGB, is resized (PIL bicubic) to about 256*28*28 pixels, both sides
+   multiples of 28 (min_pixels = max_pixels = 200704): 448x448 for a square image;
 2. Qwen2-VL's image processor rescales by 1/255, normalises with CLIP's mean/std and cuts
    14-pixel patches (2 frames, 2x2 merge): 256 image tokens at 448x448;
 3. the text is Qwen2-VL's chat template around one user turn, image first, then
