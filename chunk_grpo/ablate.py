@@ -95,8 +95,11 @@ RESERVED = {
 RUN_FIXED = dict(eval_every=0, eval_images=1, eval_hybrid_steps=0, progress=False)
 TIME_LIMITED_MAX_STEPS = 1_000_000  # with a time budget the clock, not the step count, stops
 
-# --quick: measured on the 2-core AVX2 CPU (see the README's ablation section).
+# --quick: the whole default ablation (7 cells x 3 seeds) in about 21 minutes on one core of the
+# 2-core AVX2 CPU, from measured CPU seconds (see the README's ablation section): 45 s of training
+# per run at 2 prompts x 8 images per iteration (~8 s each, ~5 iterations), 16 eval images.
 QUICK = dict(minutes=0.75, eval_images=16)
+QUICK_BASE = dict(prompts_per_step=2)  # unless passed: a default iteration (64 images) takes ~35 s
 SHAPES_METRICS = (("colour", "colour_acc"), ("shape", "shape_acc"), ("count", "count_acc"),
                   ("position", "spatial_acc"))
 
@@ -467,7 +470,19 @@ def _atomic_save_torch(obj: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def main(argv: list[str] | None = None) -> str:
+@dataclass
+class AblationArgs:
+    out: Path
+    cells: list[Cell]
+    seeds: list[int]
+    base: dict[str, Any]  # the base config's values (before the cells' overrides)
+    minutes: float
+    eval_images: int
+    eval_seed: int
+
+
+def parse_ablation_args(argv: list[str] | None = None) -> AblationArgs:
+    """The command line: the ablation's own flags, the rest as the trainer's (the base)."""
     parser = argparse.ArgumentParser(
         prog=PROG, allow_abbrev=False,
         description="The chunk ablation (the paper's Table 3) at toy scale: every cell x seed "
@@ -487,7 +502,8 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--eval-seed", type=int, default=1000,
                         help="noise seed of the evaluation of training seed 0 (seed s: this + s)")
     parser.add_argument("--quick", action="store_true",
-                        help="a short budget: the whole ablation in under 30 minutes on 2 cores")
+                        help="a short budget: the whole ablation in about 21 minutes on 2 cores "
+                             f"({QUICK['minutes']} min per run, 2 prompts per iteration)")
     args, rest = parser.parse_known_args(argv)
     yaml_path, flags, resume = parse_args(rest, prog=PROG)
     if resume:
@@ -497,15 +513,23 @@ def main(argv: list[str] | None = None) -> str:
         QUICK["minutes"] if args.quick else 10.0)
     count = args.eval_images if args.eval_images is not None else (
         QUICK["eval_images"] if args.quick else 64)
-    cells, seeds = parse_cells(args.cells), parse_seeds(args.seeds)
+    base = base_values(yaml_path, flags)
+    if args.quick:
+        base = {**QUICK_BASE, **base}
+    return AblationArgs(Path(args.out), parse_cells(args.cells), parse_seeds(args.seeds), base,
+                        minutes, count, args.eval_seed)
+
+
+def main(argv: list[str] | None = None) -> str:
+    a = parse_ablation_args(argv)
     try:
-        table = run_ablation(Path(args.out), cells, seeds, base_values(yaml_path, flags),
-                             minutes, count, args.eval_seed)
+        table = run_ablation(a.out, a.cells, a.seeds, a.base, a.minutes, a.eval_images,
+                             a.eval_seed)
     except KeyboardInterrupt:
         raise SystemExit(f"\n{PROG}: interrupted; rerun the same command to continue "
                          "(finished runs are kept, the interrupted one resumes)") from None
     print(table, flush=True)
-    print(f"wrote {Path(args.out) / 'table.md'} and {Path(args.out) / 'curves.png'}")
+    print(f"wrote {a.out / 'table.md'} and {a.out / 'curves.png'}")
     return table
 
 

@@ -189,3 +189,16 @@ def test_a_resumed_run_gets_only_the_rest_of_its_time(model, tmp_path):
     again = ablate.train_resumably(cfg, run_dir)
     assert again["iterations"] == 2 and (final / "model_index.json").is_file()
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [1, 2]
+
+
+def test_quick_shortens_the_budget_unless_told_otherwise():
+    quick = ablate.parse_ablation_args(["--quick"])
+    assert quick.minutes == ablate.QUICK["minutes"] and quick.eval_images == 16
+    assert quick.base["prompts_per_step"] == 2 and quick.base["sde_window"] == 0
+    assert [c.name for c in quick.cells] == list(ablate.CELLS) and quick.seeds == [0, 1, 2]
+    told = ablate.parse_ablation_args(["--quick", "--minutes", "2", "--prompts-per-step", "4",
+                                       "--eval-images", "8", "--sde-window", "5"])
+    assert (told.minutes, told.eval_images) == (2.0, 8)
+    assert told.base["prompts_per_step"] == "4" and told.base["sde_window"] == "5"
+    full = ablate.parse_ablation_args([])
+    assert (full.minutes, full.eval_images) == (10.0, 64) and "prompts_per_step" not in full.base
