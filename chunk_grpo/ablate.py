@@ -83,7 +83,8 @@ CELLS: dict[str, Cell] = {c.name: c for c in (
 CELL_KEYS = ("algorithm", "chunks", "chunk_size", "weighted_chunks")
 
 # The ablation's base on top of the trainer's defaults; flags passed through override these.
-ABLATION_DEFAULTS: dict[str, Any] = dict(sde_window=0, checkpoint_every=1, image_grid_every=0)
+ABLATION_DEFAULTS: dict[str, Any] = dict(sde_window=0, checkpoint_every=1, image_grid_every=0,
+                                         progress=False)  # one bar: the ablation's
 # Set by the ablation for every run; passing them through is an error that names the flag to use.
 RESERVED = {
     "seed": "--seeds", "output_dir": "--out", "max_minutes": "--minutes",
@@ -92,7 +93,9 @@ RESERVED = {
     "eval_hybrid_steps": "--eval-images (the ablation evaluates every run itself)",
     **{key: "--cells (the cells set it)" for key in CELL_KEYS},
 }
-RUN_FIXED = dict(eval_every=0, eval_images=1, eval_hybrid_steps=0, progress=False)
+# The trainer's own evaluation shrinks to one image at the end (the ablation evaluates itself);
+# the end-of-run evaluation in metrics.jsonl also marks a run that finished training.
+RUN_FIXED = dict(eval_every=0, eval_images=1, eval_hybrid_steps=0)
 TIME_LIMITED_MAX_STEPS = 1_000_000  # with a time budget the clock, not the step count, stops
 
 # --quick: the whole default ablation (7 cells x 3 seeds) in about 21 minutes on one core of the
