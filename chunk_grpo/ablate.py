@@ -396,9 +396,10 @@ def reward_curves(cells: list[Cell], out: Path, seeds: list[int], path: Path) ->
                                           for i in common])
     if not series:
         return None
-    return line_plot(series, path, title=f"training reward per iteration (mean over "
-                     f"{len(seeds)} seed{'s' * (len(seeds) > 1)})", xlabel="iteration",
-                     ylabel="training reward")
+    title = f"training reward per iteration (mean over {len(seeds)} seed{'s' * (len(seeds) > 1)})"
+    if len(series) == 1:  # line_plot draws no legend for one series: the title names it
+        title = f"{next(iter(series))}: {title}"
+    return line_plot(series, path, title=title, xlabel="iteration", ylabel="training reward")
 
 
 # ----------------------------------------------------------------------------- the ablation
