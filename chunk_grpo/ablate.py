@@ -451,9 +451,13 @@ def run_ablation(out: Path, cells: list[Cell], seeds: list[int], base: dict[str,
     for cell, seed in bar:
         bar.set_postfix(run=f"{cell.name}-s{seed}")
         cfg = cell_config(base, cell, seed, minutes)
-        results[cell.name].append(run_one(cell, seed, cfg, out, count, noise_seeds[seed],
-                                          base_evals[noise_seeds[seed]], info.device, reward,
-                                          on_step_end))
+        result = run_one(cell, seed, cfg, out, count, noise_seeds[seed],
+                         base_evals[noise_seeds[seed]], info.device, reward, on_step_end)
+        results[cell.name].append(result)
+        if progress:
+            tqdm.write(f"{cell.name}-s{seed}: {result['iterations']} iterations in "
+                       f"{result['seconds']:.0f} s; held-out gain {result['gain']:+.4f} +- "
+                       f"{result['gain_ci95_images']:.4f} (95% CI over its images)")
     rows = summarise(cells, configs, results, base_evals)
     table = table_markdown(rows, table_header(base_cfg, seeds, minutes, count, eval_seed))
     _atomic_write(out / "table.md", table)
@@ -533,7 +537,8 @@ def main(argv: list[str] | None = None) -> str:
         raise SystemExit(f"\n{PROG}: interrupted; rerun the same command to continue "
                          "(finished runs are kept, the interrupted one resumes)") from None
     print(table, flush=True)
-    print(f"wrote {a.out / 'table.md'} and {a.out / 'curves.png'}")
+    written = [a.out / name for name in ("table.md", "curves.png") if (a.out / name).is_file()]
+    print("wrote " + " and ".join(map(str, written)))
     return table
 
 

@@ -117,7 +117,7 @@ def test_table_curves_and_results(finished):
     assert image.size[0] == 720 and image.size[1] > 420  # drawn, with a two-entry legend
 
 
-def test_a_finished_run_is_not_retrained(finished, model, monkeypatch):
+def test_a_finished_run_is_not_retrained(finished, model, monkeypatch, capsys):
     out, table = finished
     mtime = (out / "cells" / "chunk2-s0" / "result.json").stat().st_mtime_ns
 
@@ -126,9 +126,12 @@ def test_a_finished_run_is_not_retrained(finished, model, monkeypatch):
 
     monkeypatch.setattr(ablate, "train_run", no_training)
     monkeypatch.setattr(ablate, "load_policy", no_training)  # nor evaluated, nor the base
-    again = ablate.run_ablation(out, ablate.parse_cells("chunk2,g2rpo"), [0], tiny_base(model),
-                                minutes=0, count=4, progress=False)
+    # The same ablation from the command line: every flag a string, as typed.
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in tiny_base(model).items()]
+    again = ablate.main(["--out", str(out), "--cells", "chunk2,g2rpo", "--seeds", "0",
+                         "--minutes", "0", "--eval-images", "4", *flags])
     assert again == table
+    assert table in capsys.readouterr().out
     assert (out / "cells" / "chunk2-s0" / "result.json").stat().st_mtime_ns == mtime
 
 
