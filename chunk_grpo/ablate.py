@@ -363,8 +363,10 @@ def table_header(base_cfg: TrainConfig, seeds: list[int], minutes: float, count:
     budget = (f"{minutes:g} minutes of training wall time per run (the trainer's max_minutes; "
               f"the iteration under way when it runs out finishes)" if minutes > 0
               else f"{base_cfg.max_steps} iterations per run")
-    window = ("every step stochastic (sde_window 0, the paper's setting)"
-              if base_cfg.sde_window == 0 else f"sde_window {base_cfg.sde_window}")
+    window = (f"every step stochastic (sde_window 0, the paper's setting and the ablation's "
+              f"default; the trainer's own default trains only the first "
+              f"{TrainConfig.sde_window} transitions)" if base_cfg.sde_window == 0
+              else f"sde_window {base_cfg.sde_window}")
     return [
         "# Chunk ablation (toy-scale Table 3)",
         "",
