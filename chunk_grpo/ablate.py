@@ -91,11 +91,12 @@ RESERVED = {
     "eval_images": "--eval-images (the ablation evaluates every run itself)",
     "eval_every": "--eval-images (the ablation evaluates every run itself)",
     "eval_hybrid_steps": "--eval-images (the ablation evaluates every run itself)",
+    "final_eval_images": "--eval-images (the ablation evaluates every run itself)",
     **{key: "--cells (the cells set it)" for key in CELL_KEYS},
 }
 # The trainer's own evaluation shrinks to one image at the end (the ablation evaluates itself);
 # the end-of-run evaluation in metrics.jsonl also marks a run that finished training.
-RUN_FIXED = dict(eval_every=0, eval_images=1, eval_hybrid_steps=0)
+RUN_FIXED = dict(eval_every=0, eval_images=1, final_eval_images=1, eval_hybrid_steps=0)
 TIME_LIMITED_MAX_STEPS = 1_000_000  # with a time budget the clock, not the step count, stops
 
 # --quick: the whole default ablation (7 cells x 3 seeds) in about 21 minutes on one core of the
