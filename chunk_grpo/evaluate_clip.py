@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,24 +135,38 @@ def clip_scores(clip: LoadedClip, images_uint8: np.ndarray, prompts: list[str]) 
 
 
 def generator_correlation(clip: LoadedClip, model: str | Path, prompts: list[str],
-                          seed: int = 0) -> dict[str, float]:
-    """Sample one image per prompt with the FLUX model at `model`; Spearman correlation between
-    the CLIP score and the `shapes` reward on those images."""
+                          seed: int = 0, images_per_prompt: int = 1) -> dict[str, float]:
+    """Sample `images_per_prompt` images per prompt with the FLUX model at `model`; Spearman
+    correlation between the CLIP score and the `shapes` reward on those images: over all images,
+    and (with several images per prompt) within each prompt's group, averaged over the prompts,
+    which is the ranking a group-relative advantage sees."""
     from chunk_grpo.evaluate import evaluate_policy
     from chunk_grpo.models import FluxPolicy
 
     policy = FluxPolicy.from_pretrained(model)
-    result = evaluate_policy(policy, prompts, reward="shapes", seed=seed)
+    result = evaluate_policy(policy, prompts, reward="shapes", seed=seed,
+                             images_per_prompt=images_per_prompt)
     pixels = (result.images.clamp(0, 1) * 255).round().to(torch.uint8)
-    scores = clip_scores(clip, pixels.permute(0, 2, 3, 1).numpy(), result.prompts)
-    rho, p_value = spearmanr(scores.numpy(), result.rewards.numpy())
-    return {
+    scores = clip_scores(clip, pixels.permute(0, 2, 3, 1).numpy(), result.prompts).numpy()
+    rewards = result.rewards.numpy()
+    rho, p_value = spearmanr(scores, rewards)
+    metrics = {
         "spearman_vs_shapes": float(rho),
         "spearman_p_value": float(p_value),
         "generated_images": result.n,
+        "images_per_prompt": images_per_prompt,
         "shapes_reward_mean": result.reward_mean,
-        "clip_score_mean": scores.mean().item(),
+        "clip_score_mean": float(scores.mean()),
     }
+    if images_per_prompt > 1:
+        within = []
+        for s, r in zip(scores.reshape(-1, images_per_prompt),
+                        rewards.reshape(-1, images_per_prompt), strict=True):
+            if np.ptp(s) > 0 and np.ptp(r) > 0:  # a constant group has no ranking
+                within.append(spearmanr(s, r)[0])
+        metrics["spearman_within_prompt_mean"] = float(np.mean(within)) if within else math.nan
+        metrics["prompts_with_a_ranking"] = len(within)
+    return metrics
 
 
 def evaluate_clip(clip: LoadedClip, *, renders: int, group: int) -> dict[str, float]:
@@ -172,17 +187,21 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model", default=str(EMBEDDED_MODEL), help="FLUX model for generated images")
     p.add_argument("--prompts", default=str(HELDOUT_PROMPTS_FILE), help="prompt file")
     p.add_argument("--num-prompts", type=int, default=64, help="0 skips the generated images")
+    p.add_argument("--images-per-prompt", type=int, default=1, help="generated images per prompt")
     p.add_argument("--seed", type=int, default=0, help="sampling seed of the generated images")
     p.add_argument("--out", type=Path, default=None, help="also write the metrics to this JSON")
     args = p.parse_args(argv)
     if args.renders < args.group or args.group < 2:
         p.error("--group must be >= 2 and --renders at least --group")
+    if args.images_per_prompt < 1:
+        p.error("--images-per-prompt must be >= 1")
     torch.manual_seed(0)
     clip = load_clip(args.clip)
     metrics = evaluate_clip(clip, renders=args.renders, group=args.group)
     if args.num_prompts > 0:
         prompts = load_prompts(args.prompts)[: args.num_prompts]
-        metrics.update(generator_correlation(clip, args.model, prompts, seed=args.seed))
+        metrics.update(generator_correlation(clip, args.model, prompts, seed=args.seed,
+                                             images_per_prompt=args.images_per_prompt))
     for key, value in metrics.items():
         print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
     if args.out is not None:
