@@ -56,15 +56,15 @@ MAX_TEXT_LENGTH = 32  # longest grammar prompt: 12 words + <|startoftext|> + <|e
 @dataclass(frozen=True)
 class ClipSizes:
     patch_size: int = 8
-    vision_hidden: int = 128
+    vision_hidden: int = 96
     vision_layers: int = 4
     vision_heads: int = 4
-    vision_intermediate: int = 256
-    text_hidden: int = 128
-    text_layers: int = 3
+    vision_intermediate: int = 192
+    text_hidden: int = 96
+    text_layers: int = 2
     text_heads: int = 4
-    text_intermediate: int = 256
-    projection_dim: int = 128
+    text_intermediate: int = 192
+    projection_dim: int = 96
 
 
 SIZES = {
@@ -80,10 +80,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, required=True, help="output CLIP directory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=600, help="optimizer steps")
-    p.add_argument("--batch-size", type=int, default=96, help="images per step")
+    p.add_argument("--batch-size", type=int, default=64, help="images per step")
     p.add_argument("--negatives", type=int, default=4, help="one-attribute changes per image")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup-steps", type=int, default=60)
+    p.add_argument("--warmup-steps", type=int, default=40)
     p.add_argument("--weight-decay", type=float, default=0.05)
     p.add_argument("--size", choices=sorted(SIZES), default="shipped", help="model sizes")
     p.add_argument("--eval-every", type=int, default=200, help="held-out retrieval every k steps")
