@@ -127,7 +127,31 @@ def build_clip(tokenizer, sizes: ClipSizes, seed: int) -> CLIPModel:
         ),
         projection_dim=sizes.projection_dim,
     )
-    return CLIPModel(config)
+    model = CLIPModel(config)
+    _sincos_position_init(model)
+    return model
+
+
+@torch.no_grad()
+def _sincos_position_init(model: CLIPModel) -> None:
+    """Start the patch position embeddings at a 2D sine-cosine code of unit scale. CLIP's default
+    (std 0.02) is drowned by a shape patch's content, and on this world the model then learns
+    colour, shape, size and count but not left/right/above/below; a code whose lowest frequency
+    separates the halves of the canvas gives position from the first step. Still learned."""
+    table = model.vision_model.embeddings.position_embedding.weight  # [1 + grid^2, width]
+    width = table.shape[1]
+    grid = math.isqrt(table.shape[0] - 1)
+    ys, xs = torch.meshgrid(torch.arange(grid), torch.arange(grid), indexing="ij")
+    quarter = width // 4
+    # Periods from 2 grids down to a quarter grid: cos at the lowest says which half.
+    frequencies = torch.pi / grid * 2.0 ** (3 * torch.arange(quarter).float() / quarter)
+    codes = []
+    for coordinate in (xs.flatten().float() + 0.5, ys.flatten().float() + 0.5):
+        angle = coordinate[:, None] * frequencies[None, :]
+        codes += [torch.sin(angle), torch.cos(angle)]
+    code = torch.cat(codes, dim=1)
+    table.zero_()
+    table[1:, : code.shape[1]] = code  # the class token's row stays 0
 
 
 def pixel_statistics(seed: int, count: int = 1024) -> tuple[list[float], list[float]]:
