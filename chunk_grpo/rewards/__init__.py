@@ -1,6 +1,19 @@
 """Reward functions for RL fine-tuning, by name (`get_reward("shapes")`)."""
 
-from chunk_grpo.rewards.registry import Reward, available_rewards, get_reward, register_reward
+from chunk_grpo.rewards.aesthetic import AestheticScore  # registers "aesthetic"
+from chunk_grpo.rewards.clip_score import ClipScore  # registers "clip"
+from chunk_grpo.rewards.hpsv2 import HPSv2Score  # registers "hpsv2"
+from chunk_grpo.rewards.jpeg import JpegCompressibility, JpegIncompressibility  # registers both
+from chunk_grpo.rewards.pickscore import PickScore  # registers "pickscore"
+from chunk_grpo.rewards.registry import (
+    Reward,
+    RewardLoadError,
+    available_rewards,
+    get_reward,
+    register_reward,
+)
 from chunk_grpo.rewards.shapes_reward import ShapesReward  # registers "shapes"
 
-__all__ = ["Reward", "ShapesReward", "available_rewards", "get_reward", "register_reward"]
+__all__ = ["AestheticScore", "ClipScore", "HPSv2Score", "JpegCompressibility",
+           "JpegIncompressibility", "PickScore", "Reward", "RewardLoadError", "ShapesReward",
+           "available_rewards", "get_reward", "register_reward"]
