@@ -93,6 +93,8 @@ class AestheticScore:
                                   f"directory or pass head=PATH")
         self.encoder = load_clip_encoder(model, reward="aesthetic", device=device, dtype=dtype,
                                          batch_size=batch_size)
+        # The score never reads the prompt: drop the text tower (ViT-L/14's is 123M parameters).
+        del self.encoder.model.text_model, self.encoder.model.text_projection
         projection = self.encoder.model.config.projection_dim
         self.head = load_aesthetic_head(head_path, projection).to(self.encoder.device)
 
