@@ -196,3 +196,19 @@ def test_cli_reports_a_load_error_in_one_line(tmp_path, capsys):
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("python -m x: error: reward 'clip'")
     assert str(absent) in lines[0]
+
+
+def test_hub_id_resolves_from_the_local_cache(clip_dir, tmp_path):
+    """A hub id is looked up in the Hugging Face cache layout, offline."""
+    cache = tmp_path / "hf-cache" / "models--someone--tiny-clip"
+    revision = "0" * 40
+    snapshot = cache / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    (cache / "refs").mkdir()
+    (cache / "refs" / "main").write_text(revision)
+    for f in clip_dir.iterdir():
+        (snapshot / f.name).write_bytes(f.read_bytes())
+    images = _images(6, n=3)
+    torch.testing.assert_close(get_reward("clip", model="someone/tiny-clip")(images, PROMPTS[:3]),
+                               get_reward("clip", model=clip_dir)(images, PROMPTS[:3]),
+                               rtol=0, atol=0)
