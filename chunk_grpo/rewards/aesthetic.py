@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from chunk_grpo.rewards.clip_common import load_clip_encoder
-from chunk_grpo.rewards.model_files import resolve_model_dir, reward_inputs
+from chunk_grpo.rewards.model_files import first_line, resolve_model_dir, reward_inputs
 from chunk_grpo.rewards.registry import RewardLoadError, register_reward
 
 AESTHETIC_CLIP = "openai/clip-vit-large-patch14"
@@ -55,7 +55,7 @@ def load_aesthetic_head(path: Path, input_size: int) -> AestheticHead:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # pickle, zip and torch errors all mean "not this file"
         raise RewardLoadError(f"reward 'aesthetic': cannot read the head {path}: "
-                              f"{type(err).__name__}: {str(err).splitlines()[0]}") from None
+                              f"{first_line(err)}") from None
     head = AestheticHead(input_size)
     if not isinstance(state, dict):
         raise RewardLoadError(f"reward 'aesthetic': {path} is not a state dict")

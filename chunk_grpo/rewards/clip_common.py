@@ -20,6 +20,7 @@ from chunk_grpo.rewards.image_preprocess import ImagePreprocess
 from chunk_grpo.rewards.model_files import (
     check_batch_size,
     check_vocabulary,
+    first_line,
     resolve_device_dtype,
     resolve_model_dir,
 )
@@ -95,8 +96,8 @@ def load_clip_tokenizer(directory: os.PathLike, vocab_size: int, source: str, re
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError, TypeError) as err:
         raise RewardLoadError(f"reward {reward!r}: cannot load the tokenizer in {directory}: "
-                              f"{str(err).splitlines()[0] if str(err) else type(err).__name__}; "
-                              f"restore its tokenizer files from the original download") from None
+                              f"{first_line(err)}; restore its tokenizer files from the "
+                              f"original download") from None
     check_vocabulary(tokenizer, vocab_size, source, reward)
     if tokenizer.pad_token is None:  # padded positions follow the end token, which is pooled
         tokenizer.pad_token = tokenizer.eos_token
@@ -112,7 +113,7 @@ def load_clip_model(directory: os.PathLike, source: str, reward: str,
         config = CLIPConfig.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError) as err:
         raise RewardLoadError(f"reward {reward!r}: {source} is not a CLIPModel directory "
-                              f"(config.json: {str(err).splitlines()[0]})") from None
+                              f"(config.json: {first_line(err)})") from None
     if config.model_type != "clip":
         raise RewardLoadError(f"reward {reward!r}: {source} holds a {config.model_type!r} model, "
                               f"not a CLIPModel")
@@ -120,7 +121,7 @@ def load_clip_model(directory: os.PathLike, source: str, reward: str,
         return CLIPModel.from_pretrained(directory, dtype=dtype, local_files_only=True)
     except (OSError, ValueError, RuntimeError) as err:
         raise RewardLoadError(f"reward {reward!r}: cannot load the CLIPModel weights in "
-                              f"{directory}: {str(err).splitlines()[0]}; restore "
+                              f"{directory}: {first_line(err)}; restore "
                               f"model.safetensors from the original download") from None
 
 

@@ -25,6 +25,7 @@ from chunk_grpo.rewards.clip_common import ClipEncoder, check_image_size, load_c
 from chunk_grpo.rewards.image_preprocess import ImagePreprocess
 from chunk_grpo.rewards.model_files import (
     check_batch_size,
+    first_line,
     resolve_device_dtype,
     resolve_model_dir,
     resolve_model_file,
@@ -44,8 +45,7 @@ def load_open_clip_state(path: os.PathLike) -> dict[str, torch.Tensor]:
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # pickle, zip and torch errors all mean "not this file"
-        raise RewardLoadError(f"reward 'hpsv2': cannot read {path}: {type(err).__name__}: "
-                              f"{str(err).splitlines()[0] if str(err) else ''}") from None
+        raise RewardLoadError(f"reward 'hpsv2': cannot read {path}: {first_line(err)}") from None
     state = checkpoint.get("state_dict", checkpoint) if isinstance(checkpoint, dict) else None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise RewardLoadError(f"reward 'hpsv2': {path} holds no open_clip state dict")

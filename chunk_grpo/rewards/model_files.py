@@ -22,6 +22,12 @@ _DTYPES = {
 }
 
 
+def first_line(err: BaseException) -> str:
+    """An exception as one line (load errors are reported in one line)."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+
+
 def _looks_like_hub_id(name: str) -> bool:
     parts = name.split("/")
     return len(parts) == 2 and all(parts) and not name.startswith((".", "~", "/"))
