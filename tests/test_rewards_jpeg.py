@@ -48,3 +48,17 @@ def test_bad_inputs_are_clear_errors():
         reward(torch.rand(2, 8, 8), ["a", "b"])
     with pytest.raises(ValueError, match="quality"):
         get_reward("jpeg_compressibility", quality=100)
+
+
+def test_nan_pixels_read_as_grey_and_out_of_range_clamped():
+    """As the shapes reward does: a NaN pixel is grey, values outside [0, 1] are clipped."""
+    reward = get_reward("jpeg_incompressibility")
+    torch.manual_seed(2)
+    clean = torch.rand(1, 3, 32, 32)
+    broken = clean.clone()
+    broken[0, :, :4, :4] = float("nan")
+    fixed = clean.clone()
+    fixed[0, :, :4, :4] = 0.5
+    torch.testing.assert_close(reward(broken, ["x"]), reward(fixed, ["x"]), rtol=0, atol=0)
+    torch.testing.assert_close(reward(clean * 3 - 1, ["x"]),
+                               reward((clean * 3 - 1).clamp(0, 1), ["x"]), rtol=0, atol=0)

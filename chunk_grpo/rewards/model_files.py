@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 
 import torch
+from huggingface_hub import constants, hf_hub_download, snapshot_download
+from huggingface_hub.errors import LocalEntryNotFoundError
 
 from chunk_grpo.rewards.registry import RewardLoadError
 
@@ -34,9 +36,7 @@ def _looks_like_hub_id(name: str) -> bool:
 
 
 def _hf_cache() -> str:
-    from huggingface_hub import constants
-
-    return str(constants.HF_HUB_CACHE)
+    return str(constants.HF_HUB_CACHE)  # read at call time: HF_HUB_CACHE / HF_HOME apply
 
 
 def download_hint(repo_id: str) -> str:
@@ -51,12 +51,12 @@ def resolve_model_dir(name: str | os.PathLike, reward: str) -> Path:
     local = Path(text).expanduser()
     if local.is_dir():
         return local
-    if isinstance(name, os.PathLike) or local.exists() or not _looks_like_hub_id(text):
+    if local.exists():
+        raise RewardLoadError(f"reward {reward!r}: {local} is a file; pass the directory that "
+                              f"holds the model's config.json")
+    if isinstance(name, os.PathLike) or not _looks_like_hub_id(text):
         raise RewardLoadError(f"reward {reward!r}: model directory {local} does not exist; "
                               f"pass the directory that holds the model's config.json")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
     try:
         return Path(snapshot_download(repo_id=text, local_files_only=True))
     except (LocalEntryNotFoundError, OSError, ValueError):
@@ -79,9 +79,6 @@ def resolve_model_file(name: str | os.PathLike, filename: str, reward: str) -> P
     if isinstance(name, os.PathLike) or not _looks_like_hub_id(text):
         raise RewardLoadError(f"reward {reward!r}: weights file {local} does not exist; pass the "
                               f"path of {filename} or the directory that holds it")
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
     try:
         return Path(hf_hub_download(repo_id=text, filename=filename, local_files_only=True))
     except (LocalEntryNotFoundError, OSError, ValueError):
