@@ -42,11 +42,13 @@ def run_command(main: Callable[[], object], prog: str,
 
 def run_cli(main: Callable[[], object], module: str) -> None:
     """The ``__main__`` of ``python -m module``: `run_command` with every error a command reports
-    in one line (a bad configuration, a model that cannot be loaded, an unknown reward)."""
+    in one line (a bad configuration, a model or reward that cannot be loaded, an unknown
+    reward)."""
     from chunk_grpo.models.loading import ModelLoadError
-    from chunk_grpo.rewards.registry import UnknownRewardError
+    from chunk_grpo.rewards.registry import RewardLoadError, UnknownRewardError
 
-    run_command(main, f"python -m {module}", errors=(ModelLoadError, UnknownRewardError))
+    run_command(main, f"python -m {module}",
+                errors=(ModelLoadError, UnknownRewardError, RewardLoadError))
 
 
 @dataclass

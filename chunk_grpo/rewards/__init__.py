@@ -1,8 +1,22 @@
 """Reward functions for RL fine-tuning, by name (`get_reward("shapes")`)."""
 
+from chunk_grpo.rewards.aesthetic import AestheticScore  # registers "aesthetic"
+from chunk_grpo.rewards.clip_score import ClipScore  # registers "clip"
+from chunk_grpo.rewards.hpsv2 import HPSv2Score  # registers "hpsv2"
 from chunk_grpo.rewards.hpsv3 import HPSv3Reward  # registers "hpsv3"
-from chunk_grpo.rewards.registry import Reward, available_rewards, get_reward, register_reward
+from chunk_grpo.rewards.jpeg import JpegCompressibility, JpegIncompressibility  # registers both
+from chunk_grpo.rewards.pickscore import PickScore  # registers "pickscore"
+from chunk_grpo.rewards.registry import (
+    Reward,
+    RewardLoadError,
+    available_rewards,
+    get_reward,
+    register_reward,
+)
+from chunk_grpo.rewards.shapes_clip import SHAPES_CLIP_DIR, shapes_clip  # registers "shapes-clip"
 from chunk_grpo.rewards.shapes_reward import ShapesReward  # registers "shapes"
 
-__all__ = ["HPSv3Reward", "Reward", "ShapesReward", "available_rewards", "get_reward",
-           "register_reward"]
+__all__ = ["SHAPES_CLIP_DIR", "AestheticScore", "ClipScore", "HPSv2Score", "HPSv3Reward",
+           "JpegCompressibility", "JpegIncompressibility", "PickScore", "Reward",
+           "RewardLoadError", "ShapesReward", "available_rewards", "get_reward",
+           "register_reward", "shapes_clip"]

@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from chunk_grpo.rewards.registry import RewardLoadError
+
 HUB_ID = "MizzenAI/HPSv3"
 BASE_MODEL_ID = "Qwen/Qwen2-VL-7B-Instruct"
 CHECKPOINT_FILE = "HPSv3.safetensors"
@@ -44,7 +46,7 @@ EMBED_KEY = "model.embed_tokens.weight"  # its rows: the tokenizer + <|Reward|>
 _PROCESSOR_FILES = ("config.json", "preprocessor_config.json", "tokenizer_config.json")
 
 
-class HPSv3LoadError(ValueError):
+class HPSv3LoadError(RewardLoadError):
     """The HPSv3 checkpoint or its Qwen2-VL files cannot be loaded as asked; says how to fix it."""
 
 

@@ -24,6 +24,11 @@ class UnknownRewardError(ValueError):
     """No reward is registered under the name asked for (or its module cannot be imported)."""
 
 
+class RewardLoadError(ValueError):
+    """A reward's model, weights, tokenizer or optional dependency cannot be loaded; the one-line
+    message names the model or file and where to put it."""
+
+
 _FACTORIES: dict[str, Callable[..., Reward]] = {}
 
 
