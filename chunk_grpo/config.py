@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import sys
 import types
 import typing
@@ -28,25 +29,44 @@ class ConfigError(ValueError):
     """A configuration value or key is invalid; the message names it and the fix."""
 
 
+class RunInterrupted(RuntimeError):
+    """Ctrl-C stopped a run; the message names the checkpoint to resume from."""
+
+
 def run_command(main: Callable[[], object], prog: str,
                 errors: tuple[type[Exception], ...] = ()) -> None:
     """Run a command-line entry point: a ConfigError (or one of ``errors``, e.g. a model that
     cannot be loaded) prints one line and exits with status 2, as argparse does for bad flags,
-    instead of a traceback (its message already says the fix)."""
+    instead of a traceback (its message already says the fix). Ctrl-C prints one line and exits
+    with status 130, the shell's convention for SIGINT."""
     try:
         main()
     except (ConfigError, *errors) as err:
-        sys.stderr.write(f"{prog}: error: {err}\n")
+        sys.stderr.write(f"{prog}: error: {_one_line(err)}\n")
         raise SystemExit(2) from None
+    except (KeyboardInterrupt, RunInterrupted) as err:
+        why = _one_line(err) if isinstance(err, RunInterrupted) else "interrupted (Ctrl-C)"
+        sys.stderr.write(f"{prog}: {why}\n")
+        raise SystemExit(130) from None
+
+
+def _one_line(err: BaseException) -> str:
+    """The error's message on one line (some messages carry a hint on a second line)."""
+    return " ".join(str(err).split("\n"))
 
 
 def run_cli(main: Callable[[], object], module: str) -> None:
     """The ``__main__`` of ``python -m module``: `run_command` with every error a command reports
-    in one line (a bad configuration, a model that cannot be loaded, an unknown reward)."""
+    in one line (a bad configuration or input file, a model that cannot be loaded, an unknown
+    reward, a damaged checkpoint, a locked run directory, a full disk)."""
+    from chunk_grpo.checkpoint import CheckpointError, DiskFullError
     from chunk_grpo.models.loading import ModelLoadError
     from chunk_grpo.rewards.registry import UnknownRewardError
+    from chunk_grpo.run_lock import RunLockedError
 
-    run_command(main, f"python -m {module}", errors=(ModelLoadError, UnknownRewardError))
+    run_command(main, f"python -m {module}",
+                errors=(ModelLoadError, UnknownRewardError, CheckpointError, DiskFullError,
+                        RunLockedError))
 
 
 @dataclass
@@ -183,8 +203,7 @@ class TrainConfig:
                               f"{self.clip_low}, {self.clip_high}")
         if self.adv_clip_max is not None and self.adv_clip_max <= 0:
             raise ConfigError(f"adv_clip_max must be > 0 or null, got {self.adv_clip_max}")
-        if self.lr <= 0 or self.max_grad_norm <= 0:
-            raise ConfigError("lr and max_grad_norm must be > 0")
+        self._check_numbers()
         if not 0.0 <= self.ema_decay < 1.0:
             raise ConfigError(f"ema_decay must be in [0, 1), got {self.ema_decay}")
         if self.kl_ref == "reference" and self.kl_coef > 0 and self.lora_rank == 0:
@@ -204,6 +223,30 @@ class TrainConfig:
             raise ConfigError("algorithm g2rpo branches one ODE trajectory per prompt, so the "
                               "group shares its initial noise: set shared_noise: true")
         return self
+
+    def _check_numbers(self) -> None:
+        """Every float finite (``lr: nan`` or ``--lr inf`` would train NaN weights), and each in
+        its range."""
+        for name, value in dataclasses.asdict(self).items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{name} must be a finite number, got {value}")
+        positive = ("lr", "max_grad_norm", "adam_eps", "adv_eps", "shift", "lora_alpha")
+        for name in positive:
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{name} must be > 0, got {value}")
+        for name in ("weight_decay", "kl_coef", "cfg_scale"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ConfigError(f"{name} must be >= 0, got {value}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        for name in ("height", "width"):
+            value = getattr(self, name)
+            if value is not None and value < 16:
+                raise ConfigError(f"{name} must be >= 16 pixels or null (the model's size), "
+                                  f"got {value}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -273,10 +316,21 @@ def coerce(key: str, value: Any) -> Any:
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
+    """A YAML mapping; a missing, undecodable or malformed file is a ConfigError naming the file
+    (and the line)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"cannot read config file {str(path)!r} as UTF-8 text: {err}") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"config file {str(path)!r}{where} is not valid YAML ({problem}); "
+                          "fix it, e.g. write `key: value` with a space after the colon") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys to values")
     return data
