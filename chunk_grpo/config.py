@@ -21,8 +21,7 @@ from typing import Any
 
 import yaml
 
-from chunk_grpo.branching import GranularityError, parse_granularities
-from chunk_grpo.chunking import ChunkSpecError, parse_chunk_spec, trained_transitions
+from chunk_grpo.cli_args import OneLineArgumentParser, quiet_third_party
 
 
 class ConfigError(ValueError):
@@ -59,6 +58,7 @@ def run_cli(main: Callable[[], object], module: str) -> None:
     """The ``__main__`` of ``python -m module``: `run_command` with every error a command reports
     in one line (a bad configuration or input file, a model that cannot be loaded, an unknown
     reward, a damaged checkpoint, a locked run directory, a full disk)."""
+    quiet_third_party("--verbose" in sys.argv[1:])
     from chunk_grpo.checkpoint import CheckpointError, DiskFullError
     from chunk_grpo.models.loading import ModelLoadError
     from chunk_grpo.rewards.registry import UnknownRewardError
@@ -157,6 +157,8 @@ class TrainConfig:
     @property
     def num_trained(self) -> int:
         """W: the transitions with a log-prob, which the chunks split."""
+        from chunk_grpo.chunking import trained_transitions  # needs torch: see validate()
+
         return trained_transitions(self.num_steps, self.sde_window)
 
     def validate(self) -> TrainConfig:
@@ -211,6 +213,11 @@ class TrainConfig:
                               "model is the base with the adapters disabled")
         if self.max_minutes < 0:
             raise ConfigError("max_minutes must be >= 0")
+        # Imported here, not at the top: the commands parse their flags before torch loads
+        # (chunk_grpo.cli_args), and these modules need torch.
+        from chunk_grpo.branching import GranularityError, parse_granularities
+        from chunk_grpo.chunking import ChunkSpecError, parse_chunk_spec
+
         try:
             parse_chunk_spec(self.chunks, self.num_trained, self.chunk_size)
         except ChunkSpecError as err:
@@ -361,7 +368,7 @@ def load_saved_config(path: str | Path) -> TrainConfig:
 def parse_args(argv: list[str] | None = None, prog: str = "python -m chunk_grpo.train"
                ) -> tuple[str | None, dict[str, Any], str | None]:
     """Parse ``python -m chunk_grpo.train`` arguments: (YAML path, overrides, resume dir)."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineArgumentParser(
         prog=prog, allow_abbrev=False,
         description="Chunk-GRPO fine-tuning of a flow-matching text-to-image model. With no "
                     "arguments: the embedded tiny FLUX on the shapes reward (CPU).")
@@ -369,6 +376,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m chunk_grpo.
     parser.add_argument("--resume", metavar="DIR",
                         help="run directory to continue (its saved config is the base; flags "
                              "given here override it)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show third-party warnings and progress bars (hidden by default)")
     for name, f in _FIELDS.items():
         flag = "--" + name.replace("_", "-")
         aliases = [flag] if "_" not in name else [flag, "--" + name]
@@ -379,7 +388,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m chunk_grpo.
     if unknown:
         key = unknown[0].lstrip("-").split("=")[0].replace("-", "_")
         raise _unknown_key(key, "the command line")
-    overrides = {k: v for k, v in vars(args).items() if k not in ("config", "resume")}
+    overrides = {k: v for k, v in vars(args).items()
+                 if k not in ("config", "resume", "verbose")}
     if args.config and args.resume:
         raise ConfigError("give either --config or --resume: a resumed run uses its saved config")
     return args.config, overrides, args.resume
