@@ -33,14 +33,18 @@ class RunInterrupted(RuntimeError):
 
 
 def run_command(main: Callable[[], object], prog: str,
-                errors: tuple[type[Exception], ...] = ()) -> None:
+                errors: tuple[type[Exception], ...] | Callable[[], tuple] = ()) -> None:
     """Run a command-line entry point: a ConfigError (or one of ``errors``, e.g. a model that
     cannot be loaded) prints one line and exits with status 2, as argparse does for bad flags,
     instead of a traceback (its message already says the fix). Ctrl-C prints one line and exits
-    with status 130, the shell's convention for SIGINT."""
+    with status 130, the shell's convention for SIGINT. ``errors`` may be a function returning
+    the classes, imported only when an error happens (they live in heavy modules)."""
     try:
         main()
-    except (ConfigError, *errors) as err:
+    except Exception as err:
+        kinds = errors() if callable(errors) else errors
+        if not isinstance(err, (ConfigError, *kinds)):
+            raise
         sys.stderr.write(f"{prog}: error: {_one_line(err)}\n")
         raise SystemExit(2) from None
     except (KeyboardInterrupt, RunInterrupted) as err:
@@ -59,14 +63,25 @@ def run_cli(main: Callable[[], object], module: str) -> None:
     in one line (a bad configuration or input file, a model that cannot be loaded, an unknown
     reward, a damaged checkpoint, a locked run directory, a full disk)."""
     quiet_third_party("--verbose" in sys.argv[1:])
-    from chunk_grpo.checkpoint import CheckpointError, DiskFullError
-    from chunk_grpo.models.loading import ModelLoadError
-    from chunk_grpo.rewards.registry import UnknownRewardError
-    from chunk_grpo.run_lock import RunLockedError
 
-    run_command(main, f"python -m {module}",
-                errors=(ModelLoadError, UnknownRewardError, CheckpointError, DiskFullError,
-                        RunLockedError))
+    run_command(main, f"python -m {module}", errors=_loaded_one_line_errors)
+
+
+# Errors reported in one line besides ConfigError, by module: looked up only among the modules
+# already imported (an error can only come from a loaded module), so that reporting a bad flag
+# never imports diffusers.
+_ONE_LINE_ERRORS = (
+    ("chunk_grpo.models.loading", "ModelLoadError"),
+    ("chunk_grpo.rewards.registry", "UnknownRewardError"),
+    ("chunk_grpo.checkpoint", "CheckpointError"),
+    ("chunk_grpo.checkpoint", "DiskFullError"),
+    ("chunk_grpo.run_lock", "RunLockedError"),
+)
+
+
+def _loaded_one_line_errors() -> tuple[type[Exception], ...]:
+    return tuple(getattr(sys.modules[module], name) for module, name in _ONE_LINE_ERRORS
+                 if module in sys.modules)
 
 
 @dataclass

@@ -26,7 +26,6 @@ from PIL import Image, ImageDraw, ImageFont
 
 from chunk_grpo.cli_args import check_writable_dir, evaluate_parser
 from chunk_grpo.config import ConfigError
-from chunk_grpo.models.sampling_defaults import apply_sampling_size
 from chunk_grpo.paired import SAMPLE_DECIMALS, paired_difference
 from chunk_grpo.prompts import load_prompts
 from chunk_grpo.rewards import Reward, get_reward
@@ -181,6 +180,7 @@ def _check_out(out: str) -> None:
 
 def main(argv: list[str] | None = None) -> EvalResult:
     from chunk_grpo.models import FluxPolicy
+    from chunk_grpo.models.sampling_defaults import apply_sampling_size
 
     args = evaluate_parser().parse_args(argv)
     if args.hybrid_steps and args.hybrid_base is None:

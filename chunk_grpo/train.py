@@ -51,7 +51,6 @@ from chunk_grpo.config import (
     save_config,
 )
 from chunk_grpo.metrics import MetricsLogger, save_image_grid
-from chunk_grpo.models.sampling_defaults import apply_sampling_size
 from chunk_grpo.optim import EMA, build_lr_scheduler, build_optimizer
 from chunk_grpo.policy_setup import (
     export_pipeline,
@@ -280,6 +279,7 @@ def _model_path(spec: str) -> str:
 
 def load_policy(cfg: TrainConfig, device: torch.device):
     from chunk_grpo.models import FluxPolicy
+    from chunk_grpo.models.sampling_defaults import apply_sampling_size
 
     policy = FluxPolicy.from_pretrained(_model_path(cfg.model), device=device)
     try:
