@@ -235,17 +235,18 @@ def pretrain_parser(description: str | None = None) -> OneLineArgumentParser:
     return p
 
 
-def _parse_train(argv: list[str]) -> None:
-    from chunk_grpo.config import parse_args
+def _parse_train(argv: list[str], prog: str = "python -m chunk_grpo.train") -> None:
+    """The flags, then the configuration they build (a resumed run's needs its directory)."""
+    from chunk_grpo.config import build_config, parse_args
 
-    parse_args(argv)
+    yaml_path, overrides, resume = parse_args(argv, prog=prog)
+    if not resume:
+        build_config(yaml_path, overrides)
 
 
 def _parse_gradient_snr(argv: list[str]) -> None:
-    from chunk_grpo.config import parse_args
-
     _, rest = gradient_snr_parser().parse_known_args(argv)
-    parse_args(rest, prog="python -m chunk_grpo.gradient_snr")
+    _parse_train(rest, prog="python -m chunk_grpo.gradient_snr")
 
 
 EARLY_PARSERS: dict[str, Callable[[list[str]], object]] = {

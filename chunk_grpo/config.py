@@ -41,16 +41,16 @@ def run_command(main: Callable[[], object], prog: str,
     the classes, imported only when an error happens (they live in heavy modules)."""
     try:
         main()
+    except (KeyboardInterrupt, RunInterrupted) as err:
+        why = _one_line(err) if isinstance(err, RunInterrupted) else "interrupted (Ctrl-C)"
+        sys.stderr.write(f"{prog}: {why}\n")
+        raise SystemExit(130) from None
     except Exception as err:
         kinds = errors() if callable(errors) else errors
         if not isinstance(err, (ConfigError, *kinds)):
             raise
         sys.stderr.write(f"{prog}: error: {_one_line(err)}\n")
         raise SystemExit(2) from None
-    except (KeyboardInterrupt, RunInterrupted) as err:
-        why = _one_line(err) if isinstance(err, RunInterrupted) else "interrupted (Ctrl-C)"
-        sys.stderr.write(f"{prog}: {why}\n")
-        raise SystemExit(130) from None
 
 
 def _one_line(err: BaseException) -> str:

@@ -190,6 +190,7 @@ def test_nan_weights_are_never_checkpointed(tmp_path):
     assert latest_checkpoint(tmp_path).name == "step-00000001"
 
 
+@pytest.mark.slow  # a real process: start-up, one iteration, then a resumed iteration
 def test_ctrl_c_exits_130_naming_a_resumable_checkpoint(tmp_path, model):
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -218,3 +219,18 @@ def test_ctrl_c_exits_130_naming_a_resumable_checkpoint(tmp_path, model):
     step = int(last.name.split("-")[1])
     run(build_config(out / "config.yaml", {"max_steps": step + 1}), run_dir=out, resume=True)
     assert latest_checkpoint(out).name == f"step-{step + 1:08d}"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--compare", "nowhere"], "--compare nowhere: no samples.jsonl there"),
+    (["--hybrid-base", "MODEL", "--hybrid-steps", "99"], "--hybrid-steps 99 exceeds the 2"),
+    (["--hybrid-steps", "2"], "--hybrid-steps needs --hybrid-base"),
+])
+def test_evaluate_argument_cases_are_config_errors(tmp_path, model, extra, message):
+    from chunk_grpo.evaluate import main as evaluate_main
+
+    extra = [str(model) if word == "MODEL" else word for word in extra]
+    with pytest.raises(ConfigError, match=message):
+        evaluate_main(["--model", str(model), "--out", str(tmp_path / "ev"), "--steps", "2",
+                       "--max-prompts", "1", *extra])
+    assert not (tmp_path / "ev").exists()
