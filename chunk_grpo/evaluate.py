@@ -27,7 +27,7 @@ from PIL import Image, ImageDraw, ImageFont
 from chunk_grpo.cli_args import check_writable_dir, evaluate_parser
 from chunk_grpo.config import ConfigError
 from chunk_grpo.paired import SAMPLE_DECIMALS, paired_difference
-from chunk_grpo.prompts import load_prompts
+from chunk_grpo.prompts import PromptSet, check_prompts, load_prompt_set
 from chunk_grpo.rewards import Reward, get_reward
 from chunk_grpo.rollout import generate
 from chunk_grpo.stats import best_of_k, mean_ci95
@@ -187,9 +187,11 @@ def main(argv: list[str] | None = None) -> EvalResult:
         raise ConfigError("--hybrid-steps needs --hybrid-base (the base model for the rest)")
     scorer = get_reward(args.reward)  # first: a misspelt reward fails before the model loads
     _check_out(args.out)
-    prompts = load_prompts(args.prompts)
+    prompt_set = load_prompt_set(args.prompts)
     if args.max_prompts is not None:
-        prompts = prompts[: args.max_prompts]
+        prompt_set = PromptSet(prompt_set.source, prompt_set.prompts[: args.max_prompts],
+                               prompt_set.places[: args.max_prompts])
+    prompts = prompt_set.prompts
     if args.compare is not None and not (Path(args.compare) / "samples.jsonl").is_file():
         raise ConfigError(f"--compare {args.compare}: no samples.jsonl there; give the --out "
                           "directory of an earlier evaluation")
@@ -203,6 +205,8 @@ def main(argv: list[str] | None = None) -> EvalResult:
     if args.hybrid_steps > steps:
         raise ConfigError(f"--hybrid-steps {args.hybrid_steps} exceeds the {steps} sampling "
                           f"steps; give at most {steps}")
+    for note in check_prompts(prompt_set, policy, scorer):  # before sampling, not at scoring
+        print(f"note: {note}")
     base = None
     if args.hybrid_base is not None:
         base = FluxPolicy.from_pretrained(args.hybrid_base, device=args.device)

@@ -234,3 +234,13 @@ def test_evaluate_argument_cases_are_config_errors(tmp_path, model, extra, messa
         evaluate_main(["--model", str(model), "--out", str(tmp_path / "ev"), "--steps", "2",
                        "--max-prompts", "1", *extra])
     assert not (tmp_path / "ev").exists()
+
+
+def test_evaluate_checks_its_prompts_before_sampling(tmp_path, model):
+    from chunk_grpo.evaluate import main as evaluate_main
+
+    path, message = _prompt_case(tmp_path, "refused")
+    with pytest.raises(ConfigError, match=message):
+        evaluate_main(["--model", str(model), "--out", str(tmp_path / "ev"), "--steps", "2",
+                       "--prompts", str(path)])
+    assert not (tmp_path / "ev").exists()
