@@ -22,6 +22,7 @@ overlap); the hybrid-evaluation base model is a second frozen copy of the base w
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import time
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from chunk_grpo import distributed as D
 from chunk_grpo.advantages import multi_granularity_advantages
 from chunk_grpo.branching import parse_granularities, sample_branch_rollouts
 from chunk_grpo.checkpoint import (
+    DiskFullError,
     latest_checkpoint,
     load_checkpoint,
     nonfinite_tensors,
@@ -520,7 +522,15 @@ def _train_loop(tr: Trainer, start: int, bad_streak: int, on_step_end) -> None:
         if done:
             break
     if info.is_main:
-        export_final(tr)
+        try:
+            export_final(tr)
+        except OSError as err:
+            if err.errno != errno.ENOSPC:
+                raise
+            raise DiskFullError(errno.ENOSPC, f"no space left on device to export "
+                                f"{run_dir / 'final_model'}; the last checkpoint "
+                                f"{latest_checkpoint(run_dir)} is kept: free some space and run "
+                                f"--resume {run_dir} to export it") from None
 
 
 def _refuse_nonfinite(state: dict, step: int, run_dir: Path) -> None:

@@ -1,6 +1,7 @@
 """Bad input to every command: one line on stderr, exit status 2, nothing left on disk; Ctrl-C:
 exit status 130, one line naming the checkpoint, which resumes."""
 
+import errno
 import os
 import signal
 import subprocess
@@ -12,7 +13,12 @@ import pytest
 import torch
 from trainer_utils import tiny_config, tiny_model_dir
 
-from chunk_grpo.checkpoint import checkpoint_problem, latest_checkpoint, save_checkpoint
+from chunk_grpo.checkpoint import (
+    DiskFullError,
+    checkpoint_problem,
+    latest_checkpoint,
+    save_checkpoint,
+)
 from chunk_grpo.cli_args import quiet_third_party
 from chunk_grpo.config import ConfigError, build_config, load_yaml, run_command
 from chunk_grpo.models.sampling_defaults import CONFIG_NAME
@@ -244,3 +250,21 @@ def test_evaluate_checks_its_prompts_before_sampling(tmp_path, model):
         evaluate_main(["--model", str(model), "--out", str(tmp_path / "ev"), "--steps", "2",
                        "--prompts", str(path)])
     assert not (tmp_path / "ev").exists()
+
+
+def test_a_full_disk_at_export_keeps_the_checkpoint_and_says_how_to_finish(tmp_path, model,
+                                                                            monkeypatch):
+    import chunk_grpo.train as train_module
+
+    def no_space(tr):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    out = tmp_path / "run"
+    monkeypatch.setattr(train_module, "export_final", no_space)
+    with pytest.raises(DiskFullError, match=r"no space left on device to export .*final_model; "
+                                            r"the last checkpoint .*step-00000001 is kept"):
+        run(tiny_config(model, out, max_steps=1))
+    assert checkpoint_problem(latest_checkpoint(out)) is None
+    monkeypatch.undo()
+    run(build_config(out / "config.yaml"), run_dir=out, resume=True)  # exports, trains nothing
+    assert (out / "final_model" / "model_index.json").is_file()
