@@ -1,20 +1,38 @@
-"""Atomic checkpoints: everything a run needs to continue exactly where it stopped.
+"""Atomic, verified checkpoints: everything a run needs to continue exactly where it stopped.
 
-A checkpoint is a directory `checkpoints/step-XXXXXXXX/` holding `state.pt`. It is written under a
-temporary name and renamed into place (os.replace), and `checkpoints/latest` (a one-line file, also
-replaced atomically) names the newest complete one; a run killed mid-write leaves the previous
-checkpoint intact.
+A checkpoint is a directory `checkpoints/step-XXXXXXXX/` holding `state.pt` and `manifest.json`
+(the size and sha256 of every file). It is written under a temporary name and renamed into place
+(os.replace), and `checkpoints/latest` (a one-line file, also replaced atomically) names the newest
+complete one; a run killed mid-write leaves the previous checkpoint intact. Resuming verifies the
+manifest: a damaged, truncated or empty latest checkpoint, or a missing `latest` pointer, falls
+back to the newest intact checkpoint and says so. Before writing, the free space is checked; a
+full disk is a `DiskFullError` with the bytes needed, and the previous checkpoint is kept.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
 import os
 import random
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
+
+MANIFEST = "manifest.json"
+STATE = "state.pt"
+
+
+class CheckpointError(ValueError):
+    """No intact checkpoint where one was asked for; the message says what was found."""
+
+
+class DiskFullError(OSError):
+    """A checkpoint did not fit on the disk; the previous checkpoint is kept."""
 
 
 def rng_state() -> dict:
@@ -39,16 +57,68 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def state_bytes(state: object) -> int:
+    """Bytes of the tensors and arrays in a (nested) state: what a checkpoint of it needs."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, np.ndarray):
+        return state.nbytes
+    if isinstance(state, dict):
+        return sum(state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(v) for v in state)
+    return 0
+
+
+def nonfinite_tensors(state: dict) -> list[str]:
+    """Names of the floating-point tensors of a flat state dict holding NaN or Inf."""
+    return [name for name, t in state.items() if isinstance(t, torch.Tensor)
+            and t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
+def _disk_full(root: Path, needed: int, previous: Path | None) -> DiskFullError:
+    free = shutil.disk_usage(root).free
+    kept = f"the previous checkpoint {previous} is kept" if previous else "no earlier checkpoint"
+    return DiskFullError(errno.ENOSPC, f"no space left on device for a checkpoint in {root}: it "
+                         f"needs about {needed} bytes, {free} are free; {kept}. Free some space "
+                         f"(or lower keep_checkpoints) and resume with --resume")
+
+
 def save_checkpoint(run_dir: str | Path, step: int, state: dict, keep: int = 2) -> Path:
-    """Write ``state`` (tensors and plain Python objects) as checkpoint ``step``."""
+    """Write ``state`` (tensors and plain Python objects) as checkpoint ``step``, with its
+    manifest. Raises DiskFullError (leaving the previous checkpoint) when it does not fit."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}"
     tmp = root / f".tmp-step-{step:08d}"
+    previous = latest_checkpoint(run_dir)
+    needed = state_bytes(state) + (1 << 20)  # pickled metadata and the RNG states besides
+    if shutil.disk_usage(root).free < needed:
+        raise _disk_full(root, needed, previous)
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir()
-    torch.save(dict(state, step=step, rng=rng_state()), tmp / "state.pt")
+    try:
+        tmp.mkdir()
+        torch.save(dict(state, step=step, rng=rng_state()), tmp / STATE)
+        manifest = {"step": step, "files": {STATE: {"bytes": (tmp / STATE).stat().st_size,
+                                                    "sha256": _sha256(tmp / STATE)}}}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    except (OSError, RuntimeError) as err:
+        # torch reports a short write as RuntimeError("... unexpected pos ..."): a full disk
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, OSError) and err.errno != errno.ENOSPC:
+            raise
+        if isinstance(err, RuntimeError) and "unexpected pos" not in str(err):
+            raise
+        raise _disk_full(root, needed, previous) from None
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -60,23 +130,89 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict, keep: int = 2) 
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The checkpoint `checkpoints/latest` names, if it exists (not verified)."""
     pointer = Path(run_dir) / "checkpoints" / "latest"
     if not pointer.is_file():
         return None
-    path = pointer.parent / pointer.read_text().strip()
-    return path if (path / "state.pt").is_file() else None
+    try:
+        path = pointer.parent / pointer.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return path if (path / STATE).is_file() else None
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why the checkpoint directory ``path`` cannot be trusted, or None if it is intact.
+    Checkpoints written before manifests existed are accepted if their state file loads."""
+    state = path / STATE
+    if not state.is_file():
+        return f"no {STATE}"
+    size = state.stat().st_size
+    if size == 0:
+        return f"{STATE} is empty"
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        try:
+            torch.load(state, map_location="cpu", weights_only=False)
+        except Exception as err:  # unpickling arbitrary damage raises many types
+            return f"{STATE} does not load ({type(err).__name__})"
+        return None
+    try:
+        expected = json.loads(manifest_path.read_text())["files"][STATE]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{MANIFEST} is damaged"
+    if size != expected["bytes"]:
+        return f"{STATE} has {size} bytes, its manifest says {expected['bytes']} (truncated?)"
+    if _sha256(state) != expected["sha256"]:
+        return f"{STATE} does not match its manifest's sha256 (damaged)"
+    return None
+
+
+def find_resumable(run_dir: str | Path, report=None) -> Path:
+    """The newest intact checkpoint of a run. A damaged one, or a missing or stale `latest`
+    pointer, is skipped with one line to ``report`` (default: stderr). Raises CheckpointError
+    if none is intact."""
+    report = report or (lambda line: print(line, file=sys.stderr, flush=True))
+    root = Path(run_dir) / "checkpoints"
+    candidates = sorted((p for p in root.glob("step-*") if p.is_dir()), reverse=True)
+    pointed = latest_checkpoint(run_dir)
+    if pointed is not None and pointed in candidates:  # trust the pointer's choice first
+        candidates.remove(pointed)
+        candidates.insert(0, pointed)
+    skipped = []
+    for path in candidates:
+        problem = checkpoint_problem(path)
+        if problem is None:
+            if skipped:
+                report(f"[chunk-grpo] skipped damaged checkpoint(s) {'; '.join(skipped)}; "
+                       f"resuming from {path}")
+            elif pointed is None and candidates:
+                report(f"[chunk-grpo] {root / 'latest'} is missing or stale; resuming from "
+                       f"{path}, the newest intact checkpoint")
+            return path
+        skipped.append(f"{path.name} ({problem})")
+    found = "; ".join(skipped) if skipped else "none"
+    raise CheckpointError(f"no intact checkpoint in {root} (found: {found}); start a new run "
+                          "with another output_dir")
 
 
 def load_checkpoint(path: str | Path, *, restore_rng: bool = True) -> dict:
-    """Load a checkpoint directory (or a run directory: its latest checkpoint)."""
+    """Load a checkpoint directory (or a run directory: its newest intact checkpoint)."""
     path = Path(path)
-    if not (path / "state.pt").is_file():
-        found = latest_checkpoint(path)
-        if found is None:
-            raise ValueError(f"no checkpoint in {str(path)!r}: expected a run directory with "
-                             "checkpoints/latest or a checkpoint directory with state.pt")
-        path = found
-    state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+    if not (path / STATE).is_file():
+        if not (path / "checkpoints").is_dir():
+            raise CheckpointError(f"no checkpoint in {str(path)!r}: expected a run directory "
+                                  f"with checkpoints/ or a checkpoint directory with {STATE}")
+        path = find_resumable(path)
+    else:
+        problem = checkpoint_problem(path)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {path} is damaged: {problem}; give its run "
+                                  "directory to fall back to an earlier checkpoint")
+    try:
+        state = torch.load(path / STATE, map_location="cpu", weights_only=False)
+    except Exception as err:  # verified above; this is damage after the check
+        raise CheckpointError(f"checkpoint {path} does not load: {type(err).__name__}") from None
     if restore_rng:
         set_rng_state(state["rng"])
     return state

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import sys
 import types
 import typing
@@ -20,35 +21,68 @@ from typing import Any
 
 import yaml
 
-from chunk_grpo.branching import GranularityError, parse_granularities
-from chunk_grpo.chunking import ChunkSpecError, parse_chunk_spec, trained_transitions
+from chunk_grpo.cli_args import OneLineArgumentParser, quiet_third_party
 
 
 class ConfigError(ValueError):
     """A configuration value or key is invalid; the message names it and the fix."""
 
 
+class RunInterrupted(RuntimeError):
+    """Ctrl-C stopped a run; the message names the checkpoint to resume from."""
+
+
 def run_command(main: Callable[[], object], prog: str,
-                errors: tuple[type[Exception], ...] = ()) -> None:
+                errors: tuple[type[Exception], ...] | Callable[[], tuple] = ()) -> None:
     """Run a command-line entry point: a ConfigError (or one of ``errors``, e.g. a model that
     cannot be loaded) prints one line and exits with status 2, as argparse does for bad flags,
-    instead of a traceback (its message already says the fix)."""
+    instead of a traceback (its message already says the fix). Ctrl-C prints one line and exits
+    with status 130, the shell's convention for SIGINT. ``errors`` may be a function returning
+    the classes, imported only when an error happens (they live in heavy modules)."""
     try:
         main()
-    except (ConfigError, *errors) as err:
-        sys.stderr.write(f"{prog}: error: {err}\n")
+    except (KeyboardInterrupt, RunInterrupted) as err:
+        why = _one_line(err) if isinstance(err, RunInterrupted) else "interrupted (Ctrl-C)"
+        sys.stderr.write(f"{prog}: {why}\n")
+        raise SystemExit(130) from None
+    except Exception as err:
+        kinds = errors() if callable(errors) else errors
+        if not isinstance(err, (ConfigError, *kinds)):
+            raise
+        sys.stderr.write(f"{prog}: error: {_one_line(err)}\n")
         raise SystemExit(2) from None
+
+
+def _one_line(err: BaseException) -> str:
+    """The error's message on one line (some messages carry a hint on a second line)."""
+    return " ".join(str(err).split("\n"))
 
 
 def run_cli(main: Callable[[], object], module: str) -> None:
     """The ``__main__`` of ``python -m module``: `run_command` with every error a command reports
-    in one line (a bad configuration, a model or reward that cannot be loaded, an unknown
-    reward)."""
-    from chunk_grpo.models.loading import ModelLoadError
-    from chunk_grpo.rewards.registry import RewardLoadError, UnknownRewardError
+    in one line (a bad configuration or input file, a model or reward that cannot be loaded, an
+    unknown reward, a damaged checkpoint, a locked run directory, a full disk)."""
+    quiet_third_party("--verbose" in sys.argv[1:])
 
-    run_command(main, f"python -m {module}",
-                errors=(ModelLoadError, UnknownRewardError, RewardLoadError))
+    run_command(main, f"python -m {module}", errors=_loaded_one_line_errors)
+
+
+# Errors reported in one line besides ConfigError, by module: looked up only among the modules
+# already imported (an error can only come from a loaded module), so that reporting a bad flag
+# never imports diffusers.
+_ONE_LINE_ERRORS = (
+    ("chunk_grpo.models.loading", "ModelLoadError"),
+    ("chunk_grpo.rewards.registry", "UnknownRewardError"),
+    ("chunk_grpo.rewards.registry", "RewardLoadError"),
+    ("chunk_grpo.checkpoint", "CheckpointError"),
+    ("chunk_grpo.checkpoint", "DiskFullError"),
+    ("chunk_grpo.run_lock", "RunLockedError"),
+)
+
+
+def _loaded_one_line_errors() -> tuple[type[Exception], ...]:
+    return tuple(getattr(sys.modules[module], name) for module, name in _ONE_LINE_ERRORS
+                 if module in sys.modules)
 
 
 @dataclass
@@ -140,6 +174,8 @@ class TrainConfig:
     @property
     def num_trained(self) -> int:
         """W: the transitions with a log-prob, which the chunks split."""
+        from chunk_grpo.chunking import trained_transitions  # needs torch: see validate()
+
         return trained_transitions(self.num_steps, self.sde_window)
 
     def validate(self) -> TrainConfig:
@@ -187,8 +223,7 @@ class TrainConfig:
                               f"{self.clip_low}, {self.clip_high}")
         if self.adv_clip_max is not None and self.adv_clip_max <= 0:
             raise ConfigError(f"adv_clip_max must be > 0 or null, got {self.adv_clip_max}")
-        if self.lr <= 0 or self.max_grad_norm <= 0:
-            raise ConfigError("lr and max_grad_norm must be > 0")
+        self._check_numbers()
         if not 0.0 <= self.ema_decay < 1.0:
             raise ConfigError(f"ema_decay must be in [0, 1), got {self.ema_decay}")
         if self.kl_ref == "reference" and self.kl_coef > 0 and self.lora_rank == 0:
@@ -196,6 +231,11 @@ class TrainConfig:
                               "model is the base with the adapters disabled")
         if self.max_minutes < 0:
             raise ConfigError("max_minutes must be >= 0")
+        # Imported here, not at the top: the commands parse their flags before torch loads
+        # (chunk_grpo.cli_args), and these modules need torch.
+        from chunk_grpo.branching import GranularityError, parse_granularities
+        from chunk_grpo.chunking import ChunkSpecError, parse_chunk_spec
+
         try:
             parse_chunk_spec(self.chunks, self.num_trained, self.chunk_size)
         except ChunkSpecError as err:
@@ -208,6 +248,30 @@ class TrainConfig:
             raise ConfigError("algorithm g2rpo branches one ODE trajectory per prompt, so the "
                               "group shares its initial noise: set shared_noise: true")
         return self
+
+    def _check_numbers(self) -> None:
+        """Every float finite (``lr: nan`` or ``--lr inf`` would train NaN weights), and each in
+        its range."""
+        for name, value in dataclasses.asdict(self).items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{name} must be a finite number, got {value}")
+        positive = ("lr", "max_grad_norm", "adam_eps", "adv_eps", "shift", "lora_alpha")
+        for name in positive:
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{name} must be > 0, got {value}")
+        for name in ("weight_decay", "kl_coef", "cfg_scale"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ConfigError(f"{name} must be >= 0, got {value}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        for name in ("height", "width"):
+            value = getattr(self, name)
+            if value is not None and value < 16:
+                raise ConfigError(f"{name} must be >= 16 pixels or null (the model's size), "
+                                  f"got {value}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -277,10 +341,21 @@ def coerce(key: str, value: Any) -> Any:
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
+    """A YAML mapping; a missing, undecodable or malformed file is a ConfigError naming the file
+    (and the line)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"cannot read config file {str(path)!r} as UTF-8 text: {err}") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"config file {str(path)!r}{where} is not valid YAML ({problem}); "
+                          "fix it, e.g. write `key: value` with a space after the colon") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys to values")
     return data
@@ -311,7 +386,7 @@ def load_saved_config(path: str | Path) -> TrainConfig:
 def parse_args(argv: list[str] | None = None, prog: str = "python -m chunk_grpo.train"
                ) -> tuple[str | None, dict[str, Any], str | None]:
     """Parse ``python -m chunk_grpo.train`` arguments: (YAML path, overrides, resume dir)."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineArgumentParser(
         prog=prog, allow_abbrev=False,
         description="Chunk-GRPO fine-tuning of a flow-matching text-to-image model. With no "
                     "arguments: the embedded tiny FLUX on the shapes reward (CPU).")
@@ -319,6 +394,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m chunk_grpo.
     parser.add_argument("--resume", metavar="DIR",
                         help="run directory to continue (its saved config is the base; flags "
                              "given here override it)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show third-party warnings and progress bars (hidden by default)")
     for name, f in _FIELDS.items():
         flag = "--" + name.replace("_", "-")
         aliases = [flag] if "_" not in name else [flag, "--" + name]
@@ -329,7 +406,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m chunk_grpo.
     if unknown:
         key = unknown[0].lstrip("-").split("=")[0].replace("-", "_")
         raise _unknown_key(key, "the command line")
-    overrides = {k: v for k, v in vars(args).items() if k not in ("config", "resume")}
+    overrides = {k: v for k, v in vars(args).items()
+                 if k not in ("config", "resume", "verbose")}
     if args.config and args.resume:
         raise ConfigError("give either --config or --resume: a resumed run uses its saved config")
     return args.config, overrides, args.resume

@@ -11,12 +11,13 @@ policy gradient nothing to learn from (its advantages are noise), which is how t
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import torch
 
+from chunk_grpo.cli_args import credit_parser
+from chunk_grpo.config import ConfigError
 from chunk_grpo.rollout import denoise
 from chunk_grpo.schedule import flux_sigmas
 
@@ -58,27 +59,22 @@ def reward_spread_by_step(policy, prompts: list[str], reward, *, num_steps: int,
 
 
 def main(argv: list[str] | None = None) -> dict[str, list[float]]:
-    from chunk_grpo.models import EMBEDDED_MODEL, FluxPolicy
+    from chunk_grpo.evaluate import _check_out
+    from chunk_grpo.models import FluxPolicy
+    from chunk_grpo.models.sampling_defaults import apply_sampling_size
+    from chunk_grpo.prompts import load_prompts
     from chunk_grpo.rewards import get_reward
-    from chunk_grpo.shapes import RL_PROMPTS_FILE, load_prompts
 
-    parser = argparse.ArgumentParser(prog="python -m chunk_grpo.credit", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(EMBEDDED_MODEL))
-    parser.add_argument("--reward", default="shapes")
-    parser.add_argument("--prompts-file", default=str(RL_PROMPTS_FILE))
-    parser.add_argument("--prompts", type=int, default=8, help="number of prompts")
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--num-steps", type=int, default=10)
-    parser.add_argument("--shift", type=float, default=3.0)
-    parser.add_argument("--kind", default="flow")
-    parser.add_argument("--eta", type=float, default=0.7)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="credit")
-    args = parser.parse_args(argv)
+    args = credit_parser(__doc__).parse_args(argv)
     reward = get_reward(args.reward)  # first: a misspelt reward fails before the model loads
-    policy = FluxPolicy.from_pretrained(args.model)
+    _check_out(args.out)
     prompts = load_prompts(args.prompts_file)[:args.prompts]
+    policy = FluxPolicy.from_pretrained(args.model)
+    try:
+        apply_sampling_size(policy, args.height, args.width, source=args.model,
+                            found_file=policy.sampling_file_found)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     result = reward_spread_by_step(
         policy, prompts, reward, num_steps=args.num_steps, shift=args.shift,
         kind=args.kind, eta=args.eta, group_size=args.group_size, seed=args.seed)
@@ -88,7 +84,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
         print(f"{k:4d}  {s:.4f}  {spread:.4f}                    {r:.4f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "credit.json").write_text(json.dumps({**result, "settings": vars(args)}, indent=2))
+    settings = {k: v for k, v in vars(args).items() if k not in ("verbose", "height", "width")}
+    (out / "credit.json").write_text(json.dumps({**result, "settings": settings}, indent=2))
     print(f"saved {out / 'credit.json'}")
     return result
 

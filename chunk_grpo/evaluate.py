@@ -14,7 +14,6 @@ periodic evaluation).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import time
@@ -23,11 +22,13 @@ from pathlib import Path
 
 import torch
 
+from chunk_grpo.cli_args import check_writable_dir, evaluate_parser
+from chunk_grpo.config import ConfigError
 from chunk_grpo.metrics import reward_captions, save_image_grid
 from chunk_grpo.paired import SAMPLE_DECIMALS, paired_difference
+from chunk_grpo.prompts import PromptSet, check_prompts, load_prompt_set
 from chunk_grpo.rewards import Reward, get_reward
-from chunk_grpo.rollout import SDE_KINDS, generate
-from chunk_grpo.shapes import HELDOUT_PROMPTS_FILE, load_prompts
+from chunk_grpo.rollout import generate
 from chunk_grpo.stats import best_of_k, mean_ci95
 
 
@@ -155,52 +156,46 @@ def write_outputs(result: EvalResult, out_dir: str | Path, settings: dict, grid_
                     reward_captions(result.prompts[:k], result.rewards[:k]))
 
 
-def _parser() -> argparse.ArgumentParser:
-    from chunk_grpo.models import EMBEDDED_MODEL
-
-    p = argparse.ArgumentParser(
-        prog="python -m chunk_grpo.evaluate",
-        description="Sample images for a prompt set and score them with a reward.",
-    )
-    p.add_argument("--model", default=str(EMBEDDED_MODEL), help="diffusers FLUX dir or hub id")
-    p.add_argument("--prompts", default=str(HELDOUT_PROMPTS_FILE), help="text file, one a line")
-    p.add_argument("--out", default="runs/evaluate", help="output directory")
-    p.add_argument("--reward", default="shapes")
-    p.add_argument("--steps", type=int, default=None, help="sampling steps (model default)")
-    p.add_argument("--shift", type=float, default=None, help="sigma shift (model default)")
-    p.add_argument("--sampler", default="ode", choices=("ode", *SDE_KINDS))
-    p.add_argument("--eta", type=float, default=0.0, help="noise level of an SDE sampler")
-    p.add_argument("--cfg-scale", type=float, default=None, help="CFG scale (model default)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--images-per-prompt", type=int, default=1)
-    p.add_argument("--max-prompts", type=int, default=None, help="use the first N prompts")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--hybrid-base", default=None, help="base model for the last steps")
-    p.add_argument("--hybrid-steps", type=int, default=0, help="first K steps use --model")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--compare", default=None, metavar="EVAL_DIR",
-                   help="an earlier evaluation's --out (same prompts and seed): report the "
-                        "paired per-image reward difference with its 95%% CI")
-    return p
+def _check_out(out: str) -> None:
+    try:
+        check_writable_dir(out, "--out")
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def main(argv: list[str] | None = None) -> EvalResult:
     from chunk_grpo.models import FluxPolicy
+    from chunk_grpo.models.sampling_defaults import apply_sampling_size
 
-    args = _parser().parse_args(argv)
+    args = evaluate_parser().parse_args(argv)
     if args.hybrid_steps and args.hybrid_base is None:
-        raise SystemExit("--hybrid-steps needs --hybrid-base (the base model for the rest)")
+        raise ConfigError("--hybrid-steps needs --hybrid-base (the base model for the rest)")
     scorer = get_reward(args.reward)  # first: a misspelt reward fails before the model loads
-    prompts = load_prompts(args.prompts)
+    _check_out(args.out)
+    prompt_set = load_prompt_set(args.prompts)
     if args.max_prompts is not None:
-        if args.max_prompts < 1:
-            raise SystemExit(f"--max-prompts must be >= 1, got {args.max_prompts}")
-        prompts = prompts[: args.max_prompts]
+        prompt_set = PromptSet(prompt_set.source, prompt_set.prompts[: args.max_prompts],
+                               prompt_set.places[: args.max_prompts])
+    prompts = prompt_set.prompts
+    if args.compare is not None and not (Path(args.compare) / "samples.jsonl").is_file():
+        raise ConfigError(f"--compare {args.compare}: no samples.jsonl there; give the --out "
+                          "directory of an earlier evaluation")
     policy = FluxPolicy.from_pretrained(args.model, device=args.device)
+    try:
+        apply_sampling_size(policy, args.height, args.width, source=args.model,
+                            found_file=policy.sampling_file_found)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    steps = args.steps if args.steps is not None else policy.defaults.num_steps
+    if args.hybrid_steps > steps:
+        raise ConfigError(f"--hybrid-steps {args.hybrid_steps} exceeds the {steps} sampling "
+                          f"steps; give at most {steps}")
+    for note in check_prompts(prompt_set, policy, scorer):  # before sampling, not at scoring
+        print(f"note: {note}")
     base = None
     if args.hybrid_base is not None:
         base = FluxPolicy.from_pretrained(args.hybrid_base, device=args.device)
+        base.height, base.width = policy.height, policy.width
     result = evaluate_policy(
         policy,
         prompts,
@@ -218,7 +213,7 @@ def main(argv: list[str] | None = None) -> EvalResult:
         progress=not args.quiet,
     )
     settings = {k: v for k, v in vars(args).items()
-                if k not in ("out", "steps", "compare", "quiet")}
+                if k not in ("out", "steps", "compare", "quiet", "verbose", "height", "width")}
     settings.update(
         num_steps=args.steps if args.steps is not None else policy.defaults.num_steps,
         shift=args.shift if args.shift is not None else policy.defaults.shift,
@@ -230,9 +225,13 @@ def main(argv: list[str] | None = None) -> EvalResult:
             paired = paired_difference(result.prompts, result.rewards.numpy(), settings,
                                        args.compare)
         except ValueError as err:
-            raise SystemExit(f"--compare: {err}") from None
+            raise ConfigError(f"--compare: {err}") from None
         extra["paired"] = paired.as_dict()
-    write_outputs(result, args.out, settings, extra=extra)
+    try:
+        write_outputs(result, args.out, settings, extra=extra)
+    except OSError as err:
+        raise ConfigError(f"cannot write to --out {args.out}: {err.strerror or err}; choose a "
+                          "writable directory") from None
     print(
         f"{args.reward} reward: {result.reward_mean:.4f} +- {result.reward_ci95:.4f} "
         f"(95% CI, n={result.n})"

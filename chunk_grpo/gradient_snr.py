@@ -20,7 +20,6 @@ start, only the zero-initialised B matrices receive any).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -31,6 +30,7 @@ from pathlib import Path
 import torch
 
 from chunk_grpo import distributed as D
+from chunk_grpo.cli_args import gradient_snr_parser
 from chunk_grpo.config import ConfigError, TrainConfig, build_config, parse_args, run_cli
 
 
@@ -201,17 +201,7 @@ def summary(stats: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m chunk_grpo.gradient_snr", allow_abbrev=False,
-        description="Policy-gradient signal-to-noise ratio of a training config: K independent "
-                    "iterations at the same weights. Other flags are those of chunk_grpo.train.")
-    parser.add_argument("--iterations", type=int, default=16,
-                        help="independent iterations K (>= 3; default 16)")
-    parser.add_argument("--first-step", type=int, default=0,
-                        help="iteration index of the first one (selects prompts and noise)")
-    parser.add_argument("--per-chunk", action="store_true",
-                        help="also measure each chunk's own gradient (trains every chunk)")
-    parser.add_argument("--json", metavar="FILE", help="also write the statistics here")
+    parser = gradient_snr_parser()
     args, rest = parser.parse_known_args(argv)
     yaml_path, overrides, resume = parse_args(rest, prog=parser.prog)
     if resume:

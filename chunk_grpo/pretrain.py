@@ -31,6 +31,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from chunk_grpo.cli_args import check_writable_dir, pretrain_parser  # noqa: E402
+from chunk_grpo.config import ConfigError  # noqa: E402
 from chunk_grpo.models.latents import pack_latents  # noqa: E402
 from chunk_grpo.models.policy import FluxPolicy, PromptEmbeds  # noqa: E402
 from chunk_grpo.models.sampling_defaults import SamplingDefaults  # noqa: E402
@@ -44,29 +46,15 @@ MODEL_SIZES = dict(latent_channels=8, vae_block_out_channels=(16, 32, 32), vae_n
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--out", type=Path, required=True, help="output diffusers directory")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-images", type=int, default=20000, help="rendered training scenes")
-    p.add_argument("--vae-steps", type=int, default=400)
-    p.add_argument("--vae-batch-size", type=int, default=16)
-    p.add_argument("--vae-lr", type=float, default=1e-3)
-    p.add_argument("--steps", type=int, default=1500, help="transformer optimizer steps")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup-steps", type=int, default=100)
-    p.add_argument("--ema-decay", type=float, default=0.995)
-    p.add_argument("--caption-dropout", type=float, default=0.1)
-    p.add_argument("--shift", type=float, default=3.0, help="sigma shift (training and sampling)")
-    p.add_argument("--cfg-scale", type=float, default=3.0, help="recorded default CFG scale")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="also save every k steps")
-    p.add_argument("--threads", type=int, default=2)
-    args = p.parse_args(argv)
-    for name in ("num_images", "vae_steps", "steps", "batch_size", "vae_batch_size"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    args = pretrain_parser(__doc__).parse_args(argv)
     if not 0.0 <= args.caption_dropout < 1.0:
-        raise ValueError("--caption-dropout must be in [0, 1)")
+        raise ConfigError("--caption-dropout must be in [0, 1)")
+    if not 0.0 <= args.ema_decay < 1.0:
+        raise ConfigError("--ema-decay must be in [0, 1)")
+    try:
+        check_writable_dir(args.out, "--out")
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     return args
 
 
@@ -228,4 +216,6 @@ def run(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from chunk_grpo.config import run_cli
+
+    run_cli(main, "chunk_grpo.pretrain")

@@ -8,13 +8,14 @@ on the base model), the proposed chunk sizes, and saves DIR/profile.json and DIR
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import torch
 
 from chunk_grpo.chunking import ChunkLayout, relative_change, segment_by_dynamics
+from chunk_grpo.cli_args import profile_parser
+from chunk_grpo.config import ConfigError
 from chunk_grpo.plots import line_plot
 from chunk_grpo.rollout import denoise
 from chunk_grpo.schedule import flux_sigmas
@@ -71,24 +72,24 @@ def save_profile(curve: torch.Tensor, layout: ChunkLayout, out_dir: str | Path) 
 
 
 def main(argv: list[str] | None = None) -> ChunkLayout:
-    from chunk_grpo.models import EMBEDDED_MODEL, FluxPolicy
-    from chunk_grpo.shapes import TRAIN_PROMPTS_FILE, load_prompts
+    from chunk_grpo.evaluate import _check_out
+    from chunk_grpo.models import FluxPolicy
+    from chunk_grpo.models.sampling_defaults import apply_sampling_size
+    from chunk_grpo.prompts import load_prompts
 
-    parser = argparse.ArgumentParser(prog="python -m chunk_grpo.profile", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(EMBEDDED_MODEL))
-    parser.add_argument("--prompts-file", default=str(TRAIN_PROMPTS_FILE))
-    parser.add_argument("--prompts", type=int, default=16, help="number of prompts")
-    parser.add_argument("--num-steps", type=int, default=None)
-    parser.add_argument("--shift", type=float, default=None)
-    parser.add_argument("--max-chunk-size", type=int, default=5)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="profile")
-    args = parser.parse_args(argv)
-    policy = FluxPolicy.from_pretrained(args.model)
-    num_steps = args.num_steps or policy.defaults.num_steps
-    shift = args.shift if args.shift is not None else policy.defaults.shift
+    args = profile_parser(__doc__).parse_args(argv)
+    _check_out(args.out)
     prompts = load_prompts(args.prompts_file)[:args.prompts]
+    policy = FluxPolicy.from_pretrained(args.model)
+    try:
+        apply_sampling_size(policy, args.height, args.width, source=args.model,
+                            found_file=policy.sampling_file_found)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    num_steps = args.num_steps or policy.defaults.num_steps
+    if num_steps < 2:
+        raise ConfigError(f"--num-steps must be >= 2 (a profile compares steps), got {num_steps}")
+    shift = args.shift if args.shift is not None else policy.defaults.shift
     curve = measure_dynamics(policy, prompts, num_steps=num_steps, shift=shift, seed=args.seed)
     layout = propose_chunks(curve, args.max_chunk_size)
     print("step  sigma    L1rel")

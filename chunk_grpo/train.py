@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import math
 import time
 from dataclasses import dataclass, field
@@ -34,10 +35,17 @@ from tqdm.auto import tqdm
 from chunk_grpo import distributed as D
 from chunk_grpo.advantages import multi_granularity_advantages
 from chunk_grpo.branching import parse_granularities, sample_branch_rollouts
-from chunk_grpo.checkpoint import load_checkpoint, save_checkpoint
+from chunk_grpo.checkpoint import (
+    DiskFullError,
+    latest_checkpoint,
+    load_checkpoint,
+    nonfinite_tensors,
+    save_checkpoint,
+)
 from chunk_grpo.chunking import ChunkLayout, parse_chunk_spec, select_chunks
 from chunk_grpo.config import (
     ConfigError,
+    RunInterrupted,
     TrainConfig,
     build_config,
     load_yaml,
@@ -56,8 +64,10 @@ from chunk_grpo.policy_setup import (
 from chunk_grpo.policy_update import optimizer_step_after, plan_units, update_policy
 from chunk_grpo.precision import resolve_mixed_precision
 from chunk_grpo.profile import measure_dynamics, propose_chunks, save_profile
+from chunk_grpo.prompts import check_prompts, load_prompt_set, load_prompts
 from chunk_grpo.rewards import get_reward
 from chunk_grpo.rollout import sample_rollouts
+from chunk_grpo.run_lock import RunLock
 from chunk_grpo.schedule import dynamic_shift
 from chunk_grpo.stats import mean_ci95
 from chunk_grpo.summary import Comparison, before_after_grid, save_summary, summary_text
@@ -269,16 +279,20 @@ def finish_summary(tr: Trainer, iterations: int, minutes: float, model_dir: Path
 # ----------------------------------------------------------------------------- setup
 
 def _prompt_list(spec: str) -> list[str]:
-    from chunk_grpo.shapes import (
-        HELDOUT_PROMPTS_FILE,
-        RL_PROMPTS_FILE,
-        TRAIN_PROMPTS_FILE,
-        load_prompts,
-    )
+    return load_prompts(spec)
 
-    files = {"shapes:train": TRAIN_PROMPTS_FILE, "shapes:heldout": HELDOUT_PROMPTS_FILE,
-             "shapes:rl": RL_PROMPTS_FILE}
-    return load_prompts(files.get(spec, spec))
+
+def check_prompt_sets(cfg: TrainConfig, policy, reward_fn) -> None:
+    """Read, decode and check both prompt sets before the run directory exists: a prompt the
+    tokenizers or the reward cannot take fails now, not at the final evaluation."""
+    for key in ("train_prompts", "eval_prompts"):
+        try:
+            prompt_set = load_prompt_set(getattr(cfg, key))
+            notes = check_prompts(prompt_set, policy, reward_fn)
+        except ConfigError as err:
+            raise ConfigError(f"{key}: {err}") from None
+        for note in notes:
+            print(f"[chunk-grpo] {key}: {note}", flush=True)
 
 
 def sampling_shift(cfg: TrainConfig, policy) -> float:
@@ -298,11 +312,15 @@ def _model_path(spec: str) -> str:
 
 def load_policy(cfg: TrainConfig, device: torch.device):
     from chunk_grpo.models import FluxPolicy
+    from chunk_grpo.models.sampling_defaults import apply_sampling_size
 
     policy = FluxPolicy.from_pretrained(_model_path(cfg.model), device=device)
-    if cfg.height or cfg.width:
-        policy.height = cfg.height or policy.height
-        policy.width = cfg.width or policy.width
+    try:
+        apply_sampling_size(policy, cfg.height, cfg.width, source=_model_path(cfg.model),
+                            found_file=policy.sampling_file_found,
+                            how="height and width (--height H --width W, or in the YAML)")
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     return policy
 
 
@@ -433,7 +451,39 @@ def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = F
     # Before the run directory: a misspelt reward or a bad model path leaves nothing behind.
     reward_fn = resolve_reward(cfg)
     policy = load_checked_policy(cfg, info.device)
+    check_prompt_sets(cfg, policy, reward_fn)
     run_dir = Path(run_dir or cfg.output_dir or _default_run_dir())
+    lock = RunLock(run_dir)
+    if info.is_main:
+        if not resume and (run_dir / "checkpoints").exists():
+            raise ConfigError(f"{run_dir} already holds a run; pass --resume {run_dir} to "
+                              "continue it or choose another output_dir")
+        _make_run_dir(run_dir)
+        lock.acquire()  # a second run on this directory stops here, before writing anything
+    try:
+        tr, start, bad_streak = _start_or_resume(cfg, run_dir, info, resume, reward_fn, policy)
+        if info.is_main:
+            print(f"[chunk-grpo] run dir {run_dir}; chunks {list(tr.layout.sizes)}; "
+                  f"steps {start}..{cfg.max_steps}", flush=True)
+            precision = resolve_mixed_precision(cfg.mixed_precision, info.device)
+            print(f"[chunk-grpo] mixed precision: {precision.mode} ({precision.reason})",
+                  flush=True)
+        _train_loop(tr, start, bad_streak, on_step_end)
+        tr.logger.close()
+    except KeyboardInterrupt:
+        last = latest_checkpoint(run_dir)
+        where = (f"resume from {last} with --resume {run_dir}" if last is not None else
+                 "no checkpoint was written yet")
+        raise RunInterrupted(f"interrupted (Ctrl-C); {where}") from None
+    finally:
+        lock.release()
+    return run_dir
+
+
+def _start_or_resume(cfg: TrainConfig, run_dir: Path, info: D.DistInfo, resume: bool,
+                     reward_fn, policy) -> tuple[Trainer, int, int]:
+    """The trainer, fresh or restored from the newest intact checkpoint; (trainer, first step,
+    bad streak)."""
     start, bad_streak, state = 0, 0, None
     layout = curve = None
     if resume:
@@ -442,10 +492,9 @@ def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = F
         layout = ChunkLayout(tuple(state["chunk_layout"]))
         curve_weights = state["chunk_weights"]
     elif info.is_main:
-        if (run_dir / "checkpoints").exists():
+        if (run_dir / "checkpoints").exists():  # another run got here first
             raise ConfigError(f"{run_dir} already holds a run; pass --resume {run_dir} to "
                               "continue it or choose another output_dir")
-        run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
     D.barrier(info)
     tr = build_trainer(cfg, run_dir, info, layout=layout, curve=curve, reward_fn=reward_fn,
@@ -456,11 +505,25 @@ def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = F
         tr.logger.truncate_after(start)
         if info.is_main:
             save_config(cfg, run_dir / "config.yaml")
-    if info.is_main:
-        print(f"[chunk-grpo] run dir {run_dir}; chunks {list(tr.layout.sizes)}; "
-              f"steps {start}..{cfg.max_steps}", flush=True)
-        precision = resolve_mixed_precision(cfg.mixed_precision, info.device)
-        print(f"[chunk-grpo] mixed precision: {precision.mode} ({precision.reason})", flush=True)
+    return tr, start, bad_streak
+
+
+def _make_run_dir(run_dir: Path) -> None:
+    """Create the run directory, or say in one line why it cannot be written."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"cannot write the output directory {run_dir}: "
+                          f"{err.strerror or err} ({err.filename or run_dir}); choose a writable "
+                          f"output_dir") from None
+
+
+def _train_loop(tr: Trainer, start: int, bad_streak: int, on_step_end) -> None:
+    """Iterations ``start`` .. max_steps: train, evaluate, log, checkpoint; export at the end."""
+    cfg, info, run_dir = tr.cfg, tr.info, tr.run_dir
     t_start = time.time()
     bar = tqdm(range(start, cfg.max_steps), initial=start, total=cfg.max_steps,
                disable=not (cfg.progress and info.is_main), desc="chunk-grpo")
@@ -484,22 +547,39 @@ def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = F
                 f"{run_dir / 'checkpoints'}; lower lr or clip ranges, or check the reward.")
         if finite and ((cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)
                        or done):
+            state = _checkpoint_state(tr, bad_streak)
+            _refuse_nonfinite(state, step + 1, run_dir)  # every rank: all hold the same weights
             if info.is_main:
-                save_checkpoint(run_dir, step + 1, _checkpoint_state(tr, bad_streak),
-                                keep=cfg.keep_checkpoints)
+                save_checkpoint(run_dir, step + 1, state, keep=cfg.keep_checkpoints)
             D.barrier(info)
         if on_step_end is not None:
             on_step_end(step + 1, metrics)
         if done:
             break
     if info.is_main:
-        model_dir = export_final(tr)
-        minutes = (time.time() - t_start) / 60
-        text = finish_summary(tr, step + 1 - start, minutes, model_dir)
+        try:
+            model_dir = export_final(tr)
+        except OSError as err:
+            if err.errno != errno.ENOSPC:
+                raise
+            raise DiskFullError(errno.ENOSPC, f"no space left on device to export "
+                                f"{run_dir / 'final_model'}; the last checkpoint "
+                                f"{latest_checkpoint(run_dir)} is kept: free some space and run "
+                                f"--resume {run_dir} to export it") from None
+        text = finish_summary(tr, step + 1 - start, (time.time() - t_start) / 60, model_dir)
         if cfg.progress:
             print(text, flush=True)
-    tr.logger.close()
-    return run_dir
+
+
+def _refuse_nonfinite(state: dict, step: int, run_dir: Path) -> None:
+    """Never checkpoint NaN/Inf weights; the last checkpoint on disk stays the one to resume."""
+    bad = nonfinite_tensors(state["model"])
+    if bad:
+        last = latest_checkpoint(run_dir)
+        kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written"
+        raise TrainingDiverged(
+            f"{len(bad)} trained tensor(s) (e.g. {bad[0]}) hold NaN/Inf at step {step}; they are "
+            f"not saved and {kept}. Lower lr or max_grad_norm and resume or restart.")
 
 
 def export_final(tr: Trainer) -> Path:

@@ -77,7 +77,7 @@ def sde_step_logprob(
     backend: str | None = None,
     check: bool = False,
 ) -> torch.Tensor:
-    """Log-prob [B] of the SDE transition x -> x_next under velocity v (DESIGN.md, "Math").
+    """Log-prob [B] of the SDE transition x -> x_next under velocity v (docs/math.md, "Step kinds").
 
     x, v, x_next: [B, ...] of any float dtype. sigma, sigma_next, eta: scalars or [B] tensors
     (treated as constants: no gradient). Output is fp32 (fp64 for fp64 inputs). Backward flows
@@ -163,7 +163,7 @@ def chunk_grpo_loss(
     backend: str | None = None,
     check: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Chunk-level PPO-clip GRPO loss (DESIGN.md) and detached stats.
+    """Chunk-level PPO-clip GRPO loss (docs/math.md) and detached stats.
 
     Loss = mean over trained (sample, chunk) pairs of max(-A r, -A clamp(r, 1-clip_low,
     1+clip_high)), r = exp(mean over the chunk's steps of (logp_new - logp_old)), plus kl_coef

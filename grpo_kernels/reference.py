@@ -1,4 +1,4 @@
-"""Plain torch reference of every op: the ground truth in tests, written as DESIGN.md states it.
+"""Plain torch reference of every op: the ground truth in tests, written as docs/math.md states it.
 
 Inputs are already validated; sigma, sigma_next and eta are [B] tensors of the compute dtype.
 Everything is computed in that dtype (fp32, or fp64 for fp64 inputs); autograd gives backward.
@@ -122,7 +122,7 @@ def chunk_grpo_loss_reference(
     adv_clip_max: float | None,
     kl_coef: float,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Chunk-level PPO-clip loss, one chunk at a time, as DESIGN.md writes it."""
+    """Chunk-level PPO-clip loss, one chunk at a time, as docs/math.md writes it."""
     dtype = torch.float64 if logp_new.dtype == torch.float64 else torch.float32
     logp_new, logp_old, advantages = logp_new.to(dtype), logp_old.to(dtype), advantages.to(dtype)
     if adv_clip_max is not None:

@@ -2,7 +2,7 @@
 
 Every kind's mean is linear in (x, v) with per-sample coefficients; the log-prob is then an
 affine function of S = sum((x' - a*x - b*v)^2): logp = alpha * S + beta. Kernels reduce S and
-never form m. The algebra below is DESIGN.md's formulas expanded (the reference keeps them as
+never form m. The algebra below is docs/math.md's formulas expanded (the reference keeps them as
 written; the tests check the two agree). Arguments are float64 numpy arrays [B]: a few dozen
 scalar ops cost microseconds in numpy, against ~10 us per op for tiny torch tensors.
 `step_coefficients` checks and computes them once per distinct set of step values (cached).

@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+from chunk_grpo.config import ConfigError
 from chunk_grpo.evaluate import evaluate_policy, main, mean_ci95
 from chunk_grpo.metrics import captioned_grid
 from chunk_grpo.models import FluxPolicy
@@ -129,7 +130,7 @@ def test_bad_arguments(policy, model_dir, tmp_path):
         evaluate_policy(policy, [])
     with pytest.raises(ValueError, match="images_per_prompt"):
         evaluate_policy(policy, PROMPTS, images_per_prompt=0)
-    with pytest.raises(SystemExit, match="hybrid-base"):
+    with pytest.raises(ConfigError, match="hybrid-base"):
         main(["--model", str(model_dir), "--out", str(tmp_path), "--hybrid-steps", "2"])
     with pytest.raises(ValueError, match="captions"):
         captioned_grid(torch.zeros(2, 3, 8, 8), ["one caption"])

@@ -88,7 +88,7 @@ def test_per_chunk_gradients_add_up_to_the_iteration_gradient(model_dir, tmp_pat
     scale = float(total.abs().max())  # fp32 sums in another order: relative to the largest
     torch.testing.assert_close((by_chunk[0] + by_chunk[1]) / 4, total, rtol=1e-4,
                                atol=1e-5 * scale)
-    # On-policy, a chunk's gradient is the mean of its steps' (DESIGN's geometric-mean ratio):
+    # On-policy, a chunk's gradient is the mean of its steps' (docs/math.md's geometric mean):
     # the step-level layout of the same rollouts pins which gradient went to which chunk.
     steps_cfg = tiny_config(model_dir, tmp_path / "run", chunk_fraction=1.0, chunks="step")
     step_tr = build_trainer(steps_cfg, tmp_path / "run", D.init_distributed("cpu"))

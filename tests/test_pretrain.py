@@ -50,8 +50,9 @@ def test_checkpoint_after_k_steps_equals_a_k_step_run(long_run, tmp_path):
     assert any(not torch.equal(early[k], final[k]) for k in early)
 
 
-def test_bad_arguments_are_rejected(tmp_path):
-    with pytest.raises(ValueError, match="--steps"):
+def test_bad_arguments_are_rejected(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:  # argparse: one line, status 2
         pretrain.parse_args(["--out", str(tmp_path), "--steps", "0"])
+    assert exit_info.value.code == 2 and "--steps: must be >= 1" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--caption-dropout"):
         pretrain.parse_args(["--out", str(tmp_path), "--caption-dropout", "1.5"])

@@ -80,7 +80,7 @@ def test_sde_window_sets_the_trained_transitions():
         ({"chunk_size": 0}, "chunk_size must be >= 1"),
         ({"eta": 0.0}, "eta must be > 0"),
         ({"clip_low": 1.0}, "clip_low must be in"),
-        ({"lr": 0.0}, "lr and max_grad_norm must be > 0"),
+        ({"lr": 0.0}, "lr must be > 0"),
         ({"ema_decay": 1.0}, "ema_decay must be in"),
         ({"kl_coef": 0.1, "kl_ref": "reference", "lora_rank": 0}, "needs LoRA"),
         ({"eval_hybrid_steps": -1}, "eval_hybrid_steps must be >= 0"),

@@ -1,5 +1,5 @@
 """The chunk loss as the trainer computes it (batched chunk calls + grpo_kernels) against the
-formulas of DESIGN.md written out here with one transformer call per sample and step."""
+formulas of docs/math.md written out here with one transformer call per sample and step."""
 
 import math
 from types import SimpleNamespace
@@ -27,7 +27,7 @@ def setup(tmp_path_factory):
 
 
 def flow_logprob(x, v, x_next, s, s_next, s1):
-    """DESIGN.md's flow step: mean over elements of the Gaussian log-density."""
+    """docs/math.md's flow step: mean over elements of the Gaussian log-density."""
     std = ETA * math.sqrt(s / (1 - (s1 if s == 1 else s)))
     dt = s_next - s
     m = x * (1 + std**2 / (2 * s) * dt) + v * (1 + std**2 * (1 - s) / (2 * s)) * dt

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 from diffusers import FluxPipeline
+from diffusers.utils import logging as diffusers_logging
+from transformers.utils import logging as transformers_logging
 
 FLUX_DEV_ID = "black-forest-labs/FLUX.1-dev"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin")
@@ -95,6 +97,15 @@ def check_tokenizers(pipeline: FluxPipeline, source: str) -> None:
             )
 
 
+def _follow_progress_bar_setting() -> None:
+    """diffusers' and transformers' loading bars obey HF_HUB_DISABLE_PROGRESS_BARS only for
+    downloads; the commands set it when quiet (`chunk_grpo.cli_args.quiet_third_party`), so
+    apply it to the loading bars too."""
+    if os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "").lower() in ("1", "true", "yes"):
+        diffusers_logging.disable_progress_bar()
+        transformers_logging.disable_progress_bar()
+
+
 def load_flux_pipeline(
     path_or_id: str | os.PathLike,
     *,
@@ -102,6 +113,7 @@ def load_flux_pipeline(
     device: str | torch.device = "cpu",
 ) -> FluxPipeline:
     """Load a FLUX diffusers pipeline from a local directory or a hub id, and check it."""
+    _follow_progress_bar_setting()
     name = os.fspath(path_or_id)
     local = Path(name).expanduser()
     if isinstance(path_or_id, os.PathLike) or local.exists() or not _looks_like_hub_id(name):

@@ -18,7 +18,7 @@ from diffusers import FluxPipeline
 
 from chunk_grpo.models.latents import image_ids, pack_latents, unpack_latents
 from chunk_grpo.models.loading import load_flux_pipeline
-from chunk_grpo.models.sampling_defaults import SamplingDefaults
+from chunk_grpo.models.sampling_defaults import CONFIG_NAME, SamplingDefaults
 
 EMBEDDED_MODEL = Path(__file__).resolve().parent.parent / "assets" / "tiny-flux-shapes"
 
@@ -86,6 +86,7 @@ class FluxPolicy:
             module.requires_grad_(False)
             module.eval()
         self._negative: PromptEmbeds | None = None
+        self.sampling_file_found = False  # from_pretrained: the model had a chunk_grpo.json
 
     @classmethod
     def from_pretrained(
@@ -98,7 +99,9 @@ class FluxPolicy:
         pipeline = load_flux_pipeline(path_or_id, dtype=dtype, device=device)
         local = Path(os.fspath(path_or_id)).expanduser()
         defaults = SamplingDefaults.load(local) if local.is_dir() else SamplingDefaults()
-        return cls(pipeline, defaults)
+        policy = cls(pipeline, defaults)
+        policy.sampling_file_found = (local / CONFIG_NAME).is_file()
+        return policy
 
     @property
     def transformer(self) -> torch.nn.Module:

@@ -3,7 +3,8 @@
 A FLUX diffusers directory says nothing about the image size, prompt length or CFG scale it
 expects, yet sampling a model at another `max_sequence_length` than it was trained with gives
 blank images. `chunk_grpo.json` in the model directory records them; a directory without it (e.g.
-FLUX.1-dev) gets FLUX.1-dev's own defaults.
+FLUX.1-dev) gets FLUX.1-dev's own defaults, except the image size: the commands refuse to guess it
+(`apply_sampling_size`), since a silent 1024x1024 takes minutes per image on a CPU.
 """
 
 from __future__ import annotations
@@ -43,3 +44,21 @@ class SamplingDefaults:
         if unknown:
             raise ValueError(f"{path}: unknown keys {unknown}; valid keys: {sorted(known)}")
         return cls(**data)
+
+
+def apply_sampling_size(policy, height: int | None, width: int | None, *, source: str,
+                        found_file: bool, how: str = "--height H --width W") -> None:
+    """Set the policy's image size from the user's height/width, or keep the size its
+    chunk_grpo.json gives. Without either, raise ValueError saying which setting to give."""
+    if height or width:
+        if not (height and width) and not found_file:
+            raise ValueError(f"give both height and width for {source} (it has no {CONFIG_NAME})")
+        policy.height = height or policy.height
+        policy.width = width or policy.width
+        return
+    if not found_file:
+        raise ValueError(
+            f"model {source} has no {CONFIG_NAME}, so its image size is unknown (FLUX.1-dev's "
+            f"1024x1024 takes minutes per image on a CPU): set {how} (e.g. 1024 for FLUX.1-dev), "
+            f"or write {CONFIG_NAME} beside the model with height, width and the other sampling "
+            f"settings (see the README)")

@@ -206,7 +206,8 @@ def build_tiny_flux_pipeline(vocabulary: list[str], *, seed: int = 0, **sizes) -
         guidance_embeds=s.guidance_embeds,
         axes_dims_rope=s.axes_dims_rope,
     )
-    # Fixed shift 3 (DESIGN.md schedule): the pipeline samples with the sigmas the trainer uses.
+    # Fixed shift 3 (the schedule of docs/math.md): the pipeline samples with the sigmas the
+    # trainer uses.
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=False)
 
     pipeline = FluxPipeline(

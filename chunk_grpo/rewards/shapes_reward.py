@@ -232,6 +232,12 @@ class ShapesReward:
             for scene, cls in zip(scenes, classes, strict=True)
         ]
 
+    def check_prompts(self, prompts: list[str]) -> None:
+        """Raise PromptError (a ValueError) for a prompt outside the shapes grammar; a run checks
+        its prompt sets with this before it starts."""
+        for prompt in prompts:
+            _parse_cached(prompt)
+
     def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         scores = [b.score for b in self.breakdown(images, prompts)]
         return torch.tensor(scores, dtype=torch.float32)
