@@ -390,24 +390,35 @@ def _logp_and_grad_v(x, v, x_next, sigma, sigma_next, **kwargs):
     return logp, torch.autograd.grad(logp.sum(), v)[0]
 
 
-def test_coefficient_cache_hit_equals_miss():
-    from grpo_kernels.sde_coefficients import step_coefficients
+def test_value_check_cache_hit_equals_miss():
+    from grpo_kernels.validation import _check_step_values
 
     x, v, x_next, sigma, sigma_next = _inputs((3, 4, 5))
-    step_coefficients.cache_clear()
+    _check_step_values.cache_clear()
     miss = _logp_and_grad_v(x, v, x_next, sigma, sigma_next)
-    assert step_coefficients.cache_info().misses == 1
+    assert _check_step_values.cache_info().misses == 1
     hit = _logp_and_grad_v(x, v, x_next, sigma.clone(), sigma_next.clone())  # equal values
-    assert step_coefficients.cache_info().hits >= 1
+    assert _check_step_values.cache_info().hits >= 1
     for a, b in zip(miss, hit, strict=True):
         assert torch.equal(a, b)
-    # The cached entry holds exactly what an uncached computation gives, and is read-only.
-    key = ("flow", "mean", 20, 3, tuple(sigma.tolist()), tuple(sigma_next.tolist()), (0.7,),
-           (SIGMA_MAX,))
-    cached, fresh = step_coefficients(*key), step_coefficients.__wrapped__(*key)
-    assert (cached.table64 == fresh.table64).all() and (cached.table32 == fresh.table32).all()
-    with pytest.raises(ValueError, match="read-only"):
-        cached.table64[0, 0] = 1.0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_c_kernel_coefficients_equal_the_torch_float64_ones(kind):
+    # The C sampler writes a x + b v + n eps: unit inputs expose each per-row coefficient.
+    from grpo_kernels.sde_coefficients import step_coefficients
+    from grpo_kernels.step_params import step_params
+
+    sigma = torch.tensor([1.0, 0.8, 0.55, 0.2])
+    sigma_next = torch.tensor([0.9, 0.7, 0.3, 0.05])
+    ones, zeros = torch.ones(4, 3), torch.zeros(4, 3)
+    step = step_params(ones, sigma, sigma_next, 0.7, SIGMA_MAX)
+    want = step_coefficients(step, kind, "mean", 3, 4, ones.device)
+    for i, (x, v, e) in enumerate([(ones, zeros, zeros), (zeros, ones, zeros),
+                                   (zeros, zeros, ones)]):
+        got = gk.sde_step_sample(x, v, e, sigma, sigma_next, eta=0.7, kind=kind,
+                                 sigma_max=SIGMA_MAX, backend="cpu_fused")[0]
+        assert torch.equal(got[:, 0], want[i].float()), (kind, "abn"[i])
 
 
 def test_coefficient_cache_never_returns_stale_values():
@@ -435,27 +446,26 @@ def test_coefficient_cache_never_returns_stale_values():
            rtol=1e-5)
 
 
-def test_coefficient_cache_keeps_no_invalid_entry_and_is_bounded():
-    from grpo_kernels.sde_coefficients import step_coefficients
+def test_value_check_cache_keeps_no_invalid_entry_and_is_bounded():
+    from grpo_kernels.validation import _check_step_values
 
     x, v, x_next, _, _ = _inputs((2, 3, 4))
     for _ in range(2):  # raised on every call, never served from the cache
         with pytest.raises(ValueError, match="sigma_next must satisfy"):
             gk.sde_step_logprob(x, v, x_next, 0.5, 0.6, eta=0.7)
-    for i in range(step_coefficients.cache_info().maxsize + 10):
+    for i in range(_check_step_values.cache_info().maxsize + 10):
         gk.sde_step_logprob(x, v, x_next, 0.5, 0.4 - i * 1e-4, eta=0.7, kind="dance")
-    info = step_coefficients.cache_info()
+    info = _check_step_values.cache_info()
     assert info.currsize == info.maxsize
 
 
-def test_coefficient_cache_signed_zero_gives_one_result():
-    # -0.0 == 0.0 share a cache key: the result must not depend on which one came first.
-    from grpo_kernels.sde_coefficients import step_coefficients
-
-    key = ("cps_mse", "mean", 4, 1, (0.5,), (0.0,), (0.7,), None)
-    negative = key[:5] + ((-0.0,),) + key[6:]
-    fresh = [step_coefficients.__wrapped__(*k).table64 for k in (key, negative)]
-    assert fresh[0].tobytes() == fresh[1].tobytes()
+@pytest.mark.parametrize("backend", ["reference", "cpu_fused", "triton"])
+def test_signed_zero_gives_one_result(backend):
+    # -0.0 == 0.0: the result must not depend on the sign of a zero sigma_next.
+    x, v, x_next, _, _ = _inputs((2, 3, 4))
+    out = [gk.sde_step_logprob(x, v, x_next, 0.5, zero, eta=0.7, kind="cps_mse",
+                               backend=backend) for zero in (0.0, -0.0, torch.tensor(-0.0))]
+    assert all(torch.equal(out[0], o) for o in out[1:])
 
 
 def test_backward_of_sum_equals_explicit_ones():
