@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -476,3 +477,80 @@ def test_backward_of_sum_equals_explicit_ones():
     (expanded,) = torch.autograd.grad(logp.sum(), v, retain_graph=True)
     (explicit,) = torch.autograd.grad(logp, v, torch.ones(3))
     assert torch.equal(expanded, explicit)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu_fused", "triton"])
+@pytest.mark.parametrize("make", ["np.float32", "np.float64", "np.int64 eta", "0-d ndarray"])
+def test_numpy_step_values_are_accepted(make, backend):
+    x, v, x_next, _, _ = _inputs((2, 3, 4))
+    values = {"np.float32": dict(sigma=np.float32(0.75), sigma_next=np.float32(0.625)),
+              "np.float64": dict(sigma=np.float64(0.75), sigma_max=np.float64(SIGMA_MAX)),
+              "np.int64 eta": dict(eta=np.int64(1)),
+              "0-d ndarray": dict(sigma_next=np.array(0.625, dtype=np.float32))}[make]
+    base = dict(sigma=0.75, sigma_next=0.625, eta=1 if "eta" in make else 0.7,
+                sigma_max=SIGMA_MAX)
+    want = gk.sde_step_logprob(x, v, x_next, backend=backend, **base)
+    got = gk.sde_step_logprob(x, v, x_next, backend=backend, **(base | values))
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu_fused", "triton"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_noise_is_rejected_when_validating(bad, backend):
+    x, v, _, sigma, sigma_next = _inputs((2, 3, 4))
+    noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(0))
+    noise[1, 2, 3] = bad
+    kwargs = dict(eta=0.7, kind="dance", backend=backend)
+    with pytest.raises(ValueError, match="noise contains NaN or Inf; draw it with torch.randn"):
+        gk.sde_step_sample(x, v, noise, sigma, sigma_next, **kwargs)
+    x_next, logp = gk.sde_step_sample(x, v, noise, sigma, sigma_next, validate=False, **kwargs)
+    assert not torch.isfinite(x_next[1]).all() and torch.isfinite(logp[0])
+
+
+def test_nan_velocity_still_propagates_through_sampling():
+    # Only the noise is checked: a NaN velocity gives a NaN sample, as before (the trainer
+    # detects divergence itself).
+    x, v, _, sigma, sigma_next = _inputs((2, 3, 4))
+    v[0, 0, 0] = float("nan")
+    x_next, logp = gk.sde_step_sample(x, v, torch.zeros_like(x), sigma, sigma_next, eta=0.7,
+                                      kind="dance")
+    assert logp[0].isnan() and not logp[1].isnan()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(eta=-1.0), "eta must be a finite number"),
+        (dict(eta=0.0), "eta must be a finite number"),
+        (dict(eta=float("nan")), "eta must be a finite number"),
+        (dict(eta=float("inf")), "eta must be a finite number"),
+        (dict(eta=0.7, sigma_max=1.0), "sigma_max must be a finite number"),
+        (dict(eta=0.7, sigma_max=float("nan")), "sigma_max must be a finite number"),
+        (dict(eta=0.7, kind="sde"), "kind must be one of"),
+        (dict(eta=0.7, reduction="none"), "reduction must be one of"),
+        (dict(eta=0.7, backend="gpu"), "backend must be"),
+    ],
+)
+def test_module_settings_fail_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        gk.SdeStepLogprob(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(sigma=float("nan")), "sigma must lie in"),
+        (dict(sigma_next=float("-inf")), "sigma_next must satisfy"),
+        (dict(eta=float("inf")), "eta must be a finite number > 0"),
+        (dict(kind="flow", sigma=1.0, sigma_next=0.9, sigma_max=float("nan")),
+         "sigma_max is required"),
+        (dict(kind="flow", sigma=torch.tensor([1.0, 0.5]), sigma_next=0.4,
+              sigma_max=float("inf")), "sigma_max must lie"),
+        (dict(eta=np.float32("nan")), "eta must be a finite number > 0"),
+        (dict(sigma="0.5"), "sigma must be a real number or a float tensor, got str"),
+        (dict(sigma=True), "sigma must be a real number or a float tensor, got bool"),
+    ],
+)
+def test_every_step_number_must_be_finite_and_in_range(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        _call(**overrides)
