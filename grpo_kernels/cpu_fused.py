@@ -140,6 +140,7 @@ _ARGTYPES = {  # declared once, so a call passes plain ints (no ctypes objects p
     "sde_sample": [_PTR] * 3 + _STEP + [_PTR] + [_I64] * 2,  # x, v, eps, step, out; rows, n
 }
 _KINDS = {"flow": 0, "dance": 1, "cps": 2, "cps_mse": 3}
+_FOUR_DOUBLES = ctypes.c_double * 4
 
 
 @functools.cache
@@ -155,32 +156,33 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def _step_args(step: StepParams, kind: str, reduction: str, keep: list) -> tuple[int, ...]:
-    """The C arguments of a step: where each parameter lies, its stride and width. `keep`
-    holds what the addresses point into until the call returns."""
+    """The C arguments of a step: where each parameter lies, its stride and width. Floats go
+    into one small double array; `keep` holds what the addresses point into until the call
+    returns."""
+    numbers = _FOUR_DOUBLES(*(v if type(v) is float else 0.0 for v in step))
+    base = ctypes.addressof(numbers)
+    keep.append(numbers)
     pointers, strides, f64 = [], [], 0
     for j, value in enumerate(step):
-        if isinstance(value, torch.Tensor):
-            if value.dtype not in (torch.float32, torch.float64):
-                value = value.double()  # fp16 / bf16 parameters: exact in double
-            keep.append(value)
-            pointers.append(value.data_ptr())
-            strides.append(value.stride(0) if value.dim() else 0)
-            f64 |= (value.dtype == torch.float64) << j
-        else:
-            number = ctypes.c_double(value)
-            keep.append(number)
-            pointers.append(ctypes.addressof(number))
+        if type(value) is float:
+            pointers.append(base + 8 * j)
             strides.append(0)
             f64 |= 1 << j
+            continue
+        if value.dtype not in (torch.float32, torch.float64):
+            value = value.double()  # fp16 / bf16 parameters: exact in double
+        keep.append(value)
+        pointers.append(value.data_ptr())
+        strides.append(value.stride(0) if value.dim() else 0)
+        f64 |= (value.dtype == torch.float64) << j
     return (*pointers, *strides, f64, _KINDS[kind], int(reduction == "mean"))
 
 
-def _native(step: StepParams, *tensors: torch.Tensor):
+def _native(*tensors: torch.Tensor):
     """(C suffix, contiguous tensors in its dtype) or (None, ...) when the eager path runs."""
     dtype = tensors[0].dtype
-    on_cpu = all(t.is_cpu for t in tensors) and all(
-        p.is_cpu for p in step if isinstance(p, torch.Tensor))
-    if not on_cpu or library() is None or dtype == torch.float64:
+    # Step tensors lie on the latents' device (step_params checks it): the latents decide.
+    if not all(t.is_cpu for t in tensors) or library() is None or dtype == torch.float64:
         return None, tensors
     if dtype not in _SUFFIX or any(t.dtype != dtype for t in tensors):
         tensors = tuple(t.float() for t in tensors)  # fp16 or mixed dtypes: one conversion
@@ -206,7 +208,7 @@ def _residual(x, v, x_next, a, b):
 
 def sde_logprob_fwd(x, v, x_next, step: StepParams, kind: str, reduction: str) -> torch.Tensor:
     """logp [B] = alpha * sum_k (x' - a x - b v)^2 + beta over [B, ...] latents, one pass."""
-    suffix, (x, v, x_next) = _native(step, x, v, x_next)
+    suffix, (x, v, x_next) = _native(x, v, x_next)
     if suffix is None:
         dtype = _compute_dtype(x)
         a, b, _, alpha, beta = (c.to(dtype) for c in _coefficients(step, kind, reduction, x))
@@ -227,7 +229,7 @@ def sde_logprob_bwd(x, v, x_next, step: StepParams, kind: str, reduction: str, g
     scale (x' - m), d/dx = -a scale (x' - m), d/dv = -b scale (x' - m); one pass writes all
     requested. The kernel forms the scales from g itself, in float64 as the eager path does."""
     like, wants = (x, v, x_next), (want_x, want_v, want_next)
-    suffix, (x, v, x_next) = _native(step, x, v, x_next)
+    suffix, (x, v, x_next) = _native(x, v, x_next)
     if suffix is None:
         dtype = _compute_dtype(x)
         a, b, _, alpha, _ = _coefficients(step, kind, reduction, x)  # float64, as in C
@@ -250,7 +252,7 @@ def sde_logprob_bwd(x, v, x_next, step: StepParams, kind: str, reduction: str, g
 def sde_sample(x, v, noise, step: StepParams, kind: str) -> torch.Tensor:
     """x' = a x + b v + n eps for [B, ...] latents, stored in x's dtype."""
     out_dtype = x.dtype
-    suffix, (x, v, noise) = _native(step, x, v, noise)
+    suffix, (x, v, noise) = _native(x, v, noise)
     if suffix is None:
         dtype = _compute_dtype(x)
         a, b, n, _, _ = (c.to(dtype)[:, None] for c in _coefficients(step, kind, "mean", x))

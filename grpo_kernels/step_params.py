@@ -38,6 +38,10 @@ def step_value(value: object, name: str, batch: int, device: torch.device) -> St
     Checks types, dtypes, shapes and devices only (no values): a value check needs the
     numbers on the host, which validation.check_step_values does when asked.
     """
+    if type(value) is float:  # the common cases first: isinstance on an ABC costs ~1 us
+        return value
+    if isinstance(value, torch.Tensor):
+        return _step_tensor(value, name, batch, device)
     if real_number(value):
         return float(value)
     if isinstance(value, np.ndarray):  # host data: copied to the device, never read back
@@ -48,18 +52,26 @@ def step_value(value: object, name: str, batch: int, device: torch.device) -> St
         raise ValueError(
             f"{name} must be a real number or a float tensor, got {type(value).__name__}"
         )
+    return _step_tensor(value, name, batch, device)
+
+
+def _step_tensor(value: torch.Tensor, name: str, batch: int, device: torch.device):
+    if value.requires_grad:
+        value = value.detach()  # constants: no gradient to the step parameters
     if not value.is_floating_point():
         raise ValueError(f"{name} must have a floating dtype, got {value.dtype}")
     if value.device != device:
         raise ValueError(f"{name} is on {value.device} but the latents are on {device}")
-    if value.dim() == 0 or value.shape == (1,):
-        return value.detach().reshape(())
+    if value.dim() == 0:
+        return value
+    if value.shape == (1,):
+        return value.reshape(())
     if value.shape != (batch,):
         raise ValueError(
             f"{name} must be a scalar or a tensor of shape [{batch}] (one per sample), "
             f"got shape {tuple(value.shape)}"
         )
-    return value.detach()
+    return value
 
 
 def step_params(x: torch.Tensor, sigma, sigma_next, eta, sigma_max) -> StepParams:

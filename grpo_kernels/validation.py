@@ -69,7 +69,8 @@ def step_params_ok(sigma, sigma_next, eta, sigma_max, kind: str) -> bool:
 def _host_values(value) -> tuple[float, ...]:
     """A step parameter's values as Python floats: the one device-to-host copy (sync)."""
     if isinstance(value, torch.Tensor):
-        return tuple(value.reshape(-1).tolist())
+        values = value.tolist()  # [] or [B]
+        return tuple(values) if isinstance(values, list) else (values,)
     return (value,)
 
 
@@ -88,8 +89,9 @@ def _check_step_values(kind: str, batch: int, *values: tuple[float, ...]) -> Non
 
 def check_noise_finite(noise: torch.Tensor, logp: torch.Tensor) -> None:
     """A non-finite noise makes that sample's log-prob non-finite: check the [B] log-prob
-    (cheap), and the noise itself only then (x or v with NaN propagate as without sampling)."""
-    if bool(torch.isfinite(logp).all()):
+    on the host (a microsecond on the CPU; one small copy on CUDA), and the noise itself only
+    then (x or v with NaN propagate as without sampling)."""
+    if all(map(math.isfinite, logp.tolist())):
         return
     if not bool(torch.isfinite(noise).all()):
         raise ValueError(
