@@ -114,6 +114,25 @@ def test_sde_step_logprob(benchmark, shape, dtype, backend, mode):
            dtype=dtype, counted_bytes=counted, input_bytes=n, peak=peak)
 
 
+@pytest.mark.parametrize("mode", ["forward", "full"])
+@pytest.mark.parametrize("shape", [SHAPES[0], TINY], ids=lambda s: "x".join(map(str, s)))
+def test_sde_step_logprob_without_validation(benchmark, shape, mode):
+    """The documented fast path: validate=False skips the value checks (on CUDA the one host
+    sync per call). Its backend column reads "fast-path"; compare with the cpu_fused row."""
+    x, v, x_next, _, sigma, sigma_next = _latents(shape, torch.float32, mode == "full")
+
+    def forward():
+        return gk.sde_step_logprob(x, v, x_next, sigma, sigma_next, eta=0.7,
+                                   backend="cpu_fused", validate=False)
+
+    fn = (lambda: torch.autograd.grad(forward().sum(), v)) if mode == "full" else forward
+    benchmark.pedantic(fn, **ROUNDS)
+    n = _bytes(x)
+    record(benchmark, op="sde_step_logprob", mode=mode, backend="fast-path", shape=shape,
+           dtype=torch.float32, counted_bytes={"forward": 3 * n, "full": 7 * n}[mode],
+           input_bytes=n, peak=peak_extra_bytes(fn))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))

@@ -1,26 +1,31 @@
 """Autograd Functions with analytic backward, shared by the "cpu_fused" and "triton" backends.
 
+Both backend modules take the same arguments (one calling convention):
+  sde_logprob_fwd(x, v, x_next, step, kind, reduction) -> logp [B]
+  sde_logprob_bwd(x, v, x_next, step, kind, reduction, grad_logp, want_x, want_v, want_next)
+  sde_sample(x, v, noise, step, kind) -> x_next
+  chunk_terms(delta, advantages, chunk_id, sizes, clip_low, clip_high) -> ratio, loss, dL, kl
+with x, v, x_next, noise [B, ...] and `step` a StepParams on the latents' device; each computes
+the step's coefficients on that device (inside its kernels), so no call reads back to the host.
+
 The SDE log-prob saves only its inputs (no [B, N] temporary): the backward recomputes the
-residual x' - a x - b v in the same fused pass that writes the gradient. Its per-sample
-coefficients come precomputed and cached (sde_coefficients.step_coefficients).
+residual x' - a x - b v in the same fused pass that writes the gradient.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from grpo_kernels import cpu_fused
-from grpo_kernels.sde_coefficients import StepCoefficients
+from grpo_kernels.reference import chunk_stats
+from grpo_kernels.step_params import StepParams
 from grpo_kernels.validation import compute_dtype
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """[B, ...] -> contiguous [B, N]: a view of contiguous input, else one copy."""
-    return t.reshape(t.shape[0], -1).contiguous()
-
-
-def _kernels(backend: str):
-    """The module implementing the fused passes: cpu_fused (C) or triton_kernels."""
+def kernels(backend: str):
+    """The backend module implementing the fused passes: cpu_fused (C) or triton_kernels."""
     if backend == "triton":
         from grpo_kernels import triton_kernels  # lazy: importing grpo_kernels never needs triton
 
@@ -28,95 +33,63 @@ def _kernels(backend: str):
     return cpu_fused
 
 
-def _device_rows(coef: StepCoefficients, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Triton reads the coefficients as fp32 tensors [B] on the latents' device."""
-    # torch.tensor copies: the cached table is read-only, which torch.from_numpy warns about.
-    return torch.tensor(coef.table32, device=device).unbind(0)
-
-
-def _logprob_forward(x, v, x_next, coef, backend):
+def _logprob_forward(x, v, x_next, step, kind, reduction, backend):
     """logp [B] in the compute dtype, without autograd."""
-    if backend == "triton":
-        a, b, _, alpha, beta = _device_rows(coef, x.device)
-        logp = _kernels(backend).sde_logprob_fwd(_flat(x), _flat(v), _flat(x_next), a, b,
-                                                 alpha, beta)
-    else:
-        logp = cpu_fused.sde_logprob_fwd(x, v, x_next, coef)
+    logp = kernels(backend).sde_logprob_fwd(x, v, x_next, step, kind, reduction)
     dtype = compute_dtype(x, v, x_next)
     return logp if logp.dtype == dtype else logp.to(dtype)
-
-
-def _triton_backward(x, v, x_next, coef, grad_logp, want):
-    a, b, _, alpha, _ = _device_rows(coef, x.device)
-    scale = 2 * alpha * grad_logp.to(torch.float32)  # d logp / d x' = 2 alpha (x' - m)
-    grads = _kernels("triton").sde_logprob_bwd(_flat(x), _flat(v), _flat(x_next), a, b, scale,
-                                               *want)
-    return tuple(None if g is None else g.reshape(like.shape)
-                 for g, like in zip(grads, (x, v, x_next), strict=True))
 
 
 class SdeStepLogprobFunction(torch.autograd.Function):
     """logp[i] = alpha[i] * sum_k (x'[i,k] - a[i] x[i,k] - b[i] v[i,k])^2 + beta[i].
 
-    coef: the step's StepCoefficients (constants, no gradient).
+    step: the step's StepParams (constants, no gradient).
     """
 
     @staticmethod
-    def forward(ctx, x, v, x_next, coef, backend):
+    def forward(ctx, x, v, x_next, step: StepParams, kind, reduction, backend):
         ctx.save_for_backward(x, v, x_next)
-        ctx.coef, ctx.backend = coef, backend
-        return _logprob_forward(x, v, x_next, coef, backend)
+        ctx.step, ctx.kind, ctx.reduction, ctx.backend = step, kind, reduction, backend
+        return _logprob_forward(x, v, x_next, step, kind, reduction, backend)
 
     @staticmethod
     def backward(ctx, grad_logp):
         x, v, x_next = ctx.saved_tensors
         want = tuple(ctx.needs_input_grad[:3])
-        if ctx.backend == "triton":
-            grads = _triton_backward(x, v, x_next, ctx.coef, grad_logp, want)
-        else:
-            grads = cpu_fused.sde_logprob_bwd(x, v, x_next, ctx.coef, grad_logp, *want)
-        return (*grads, None, None)
+        grads = kernels(ctx.backend).sde_logprob_bwd(x, v, x_next, ctx.step, ctx.kind,
+                                                     ctx.reduction, grad_logp, *want)
+        return (*grads, None, None, None, None)
 
 
-def sde_logprob_fused(x, v, x_next, coef, backend):
+def sde_logprob_fused(x, v, x_next, step, kind, reduction, backend):
     """The fused log-prob; autograd's Function only when a gradient can flow (rollouts and
     no_grad evaluation skip its per-call cost)."""
     if torch.is_grad_enabled() and (x.requires_grad or v.requires_grad or x_next.requires_grad):
-        return SdeStepLogprobFunction.apply(x, v, x_next, coef, backend)
-    return _logprob_forward(x, v, x_next, coef, backend)
+        return SdeStepLogprobFunction.apply(x, v, x_next, step, kind, reduction, backend)
+    return _logprob_forward(x, v, x_next, step, kind, reduction, backend)
 
 
-def sde_sample_fused(x, v, noise, coef, backend):
+def sde_sample_fused(x, v, noise, step, kind, backend):
     """x' = m + n * eps in x's dtype, without autograd (a rollout step)."""
-    x, v = x.detach(), v.detach()
     with torch.no_grad():
-        if backend == "triton":
-            a, b, n, _, _ = _device_rows(coef, x.device)
-            out = _kernels(backend).sde_sample(_flat(x), _flat(v), _flat(noise), a, b, n)
-            return out.reshape(x.shape)
-        return cpu_fused.sde_sample(x, v, noise, coef)
+        return kernels(backend).sde_sample(x.detach(), v.detach(), noise, step, kind)
 
 
-def _chunk_index(chunk_sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """[S] chunk id of every step."""
-    sizes = torch.tensor(chunk_sizes, device=device)
-    return torch.repeat_interleave(torch.arange(len(chunk_sizes), device=device), sizes)
+@functools.lru_cache(maxsize=64)
+def chunk_index(chunk_sizes: tuple[int, ...], device: torch.device,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """([S] chunk id of every step, [K] sizes in `dtype`) on `device`, built once per layout:
+    a host-to-device copy waits for the device on CUDA, so it must not run every call.
+    Built outside inference mode, so a first call under it cannot poison later training."""
+    with torch.inference_mode(False):
+        return _chunk_index(chunk_sizes, device, dtype)
 
 
-def chunk_terms_torch(delta, advantages, chunk_id, sizes, clip_low, clip_high):
-    """Per (sample, chunk): ratio, loss, d loss / d log-ratio, and mean k3, in one pass."""
-    batch, num_chunks = delta.shape[0], sizes.shape[0]
-    log_ratio = delta.new_zeros(batch, num_chunks).index_add_(1, chunk_id, delta) / sizes
-    ratio = torch.exp(log_ratio)  # exactly 1.0 when logp_new == logp_old bit-for-bit
-    unclipped = -advantages[:, None] * ratio
-    clipped = -advantages[:, None] * ratio.clamp(1 - clip_low, 1 + clip_high)
-    take_unclipped = unclipped >= clipped
-    loss = torch.where(take_unclipped, unclipped, clipped)
-    # d max(...) / d log r: the clipped branch is flat wherever it wins.
-    grad_log_ratio = torch.where(take_unclipped, unclipped, torch.zeros_like(unclipped))
-    k3 = torch.exp(-delta) + delta - 1
-    kl = delta.new_zeros(batch, num_chunks).index_add_(1, chunk_id, k3) / sizes
-    return ratio, loss, grad_log_ratio, kl
+def _chunk_index(chunk_sizes, device, dtype):
+    sizes = torch.tensor(chunk_sizes, dtype=dtype, device=device)
+    steps = torch.tensor([k for k, size in enumerate(chunk_sizes) for _ in range(size)],
+                         device=device)
+    return steps, sizes
 
 
 class ChunkGrpoLossFunction(torch.autograd.Function):
@@ -127,16 +100,10 @@ class ChunkGrpoLossFunction(torch.autograd.Function):
                 kl_coef, backend):
         dtype = weight.dtype
         delta = logp_new.to(dtype) - logp_old.to(dtype)
-        chunk_id = _chunk_index(chunk_sizes, delta.device)
-        sizes = torch.tensor(chunk_sizes, dtype=dtype, device=delta.device)
-        if backend == "triton":
-            ratio, loss, grad_log_ratio, kl = _kernels("triton").chunk_terms(
-                delta, advantages.to(dtype), chunk_sizes, clip_low, clip_high
-            )
-        else:
-            ratio, loss, grad_log_ratio, kl = chunk_terms_torch(
-                delta, advantages.to(dtype), chunk_id, sizes, clip_low, clip_high
-            )
+        chunk_id, sizes = chunk_index(chunk_sizes, delta.device, dtype)
+        ratio, loss, grad_log_ratio, kl = kernels(backend).chunk_terms(
+            delta, advantages.to(dtype), chunk_id, sizes, clip_low, clip_high
+        )
         ctx.save_for_backward(delta, grad_log_ratio, weight, chunk_id, sizes)
         ctx.kl_coef = kl_coef
         ctx.new_dtype = logp_new.dtype
@@ -159,8 +126,6 @@ class ChunkGrpoLossFunction(torch.autograd.Function):
 
 def chunk_grpo_loss_fused(logp_new, logp_old, advantages, chunk_sizes, chunk_mask, clip_low,
                           clip_high, adv_clip_max, kl_coef, backend):
-    from grpo_kernels.reference import chunk_stats
-
     dtype = torch.float64 if logp_new.dtype == torch.float64 else torch.float32
     if adv_clip_max is not None:
         advantages = advantages.clamp(-adv_clip_max, adv_clip_max)

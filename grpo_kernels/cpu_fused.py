@@ -7,8 +7,11 @@ $GRPO_KERNELS_CACHE) and called through ctypes. It takes fp32 or bf16 latents; o
 are converted to fp32 first, and float64 (gradcheck) runs the same formulas in eager torch.
 Without a working C compiler every call runs the eager torch version (a warning says so).
 
-Latents come as [B, ...] tensors; the [B] coefficients as a cached StepCoefficients (computed
-on the host, see sde_coefficients.py), whose fp32 / float64 tables the C code reads directly.
+Latents come as [B, ...] tensors, the step as StepParams: the C code reads each parameter
+where it lies (a CPU tensor's memory, or a float passed by address) and computes the per-row
+coefficients itself, so a call costs one ctypes call and no torch op beyond its outputs. The
+eager fallback computes the same coefficients with torch ops (sde_coefficients.py). The eager
+chunk terms of the loss (this backend has no C kernel for them) live here too.
 """
 
 from __future__ import annotations
@@ -27,10 +30,10 @@ import warnings
 from collections import OrderedDict
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from grpo_kernels.sde_coefficients import ALPHA, BETA, A, B, N, StepCoefficients
+from grpo_kernels.sde_coefficients import step_coefficients
+from grpo_kernels.step_params import StepParams
 
 SOURCE = Path(__file__).with_name("csrc") / "sde_step.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
@@ -63,8 +66,8 @@ def library() -> ctypes.CDLL | None:
             cache.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=cache) as tmp:
                 built = Path(tmp) / target.name
-                subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True,
-                               capture_output=True, text=True)
+                subprocess.run([compiler, *FLAGS, str(SOURCE), "-lm", "-o", str(built)],
+                               check=True, capture_output=True, text=True)
                 os.replace(built, target)  # atomic: concurrent processes never see half a file
         return ctypes.CDLL(str(target))
     except (OSError, RuntimeError, subprocess.CalledProcessError) as err:
@@ -128,12 +131,16 @@ OUTPUTS = OutputCache()
 
 
 _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
+# The step's parameters (see STEP_ARGS in csrc/sde_step.c): 4 pointers, 4 strides, f64, kind, mean.
+_STEP = [_PTR] * 4 + [_I64] * 7
 _ARGTYPES = {  # declared once, so a call passes plain ints (no ctypes objects per argument)
-    "sde_logprob_fwd": [_PTR] * 8 + [_I64] * 2,  # x, v, x', a, b, alpha, beta, logp; rows, n
-    # x, v, x', a, b, alpha (float64), g, g's stride, gx, gv, gx'; rows, n
-    "sde_logprob_bwd": [_PTR] * 7 + [_I64] + [_PTR] * 3 + [_I64] * 2,
-    "sde_sample": [_PTR] * 7 + [_I64] * 2,  # x, v, eps, a, b, n, out; rows, n
+    "sde_logprob_fwd": [_PTR] * 3 + _STEP + [_PTR] + [_I64] * 2,  # x, v, x', step, logp; rows, n
+    # x, v, x', step, g, g's stride, gx, gv, gx'; rows, n
+    "sde_logprob_bwd": [_PTR] * 3 + _STEP + [_PTR, _I64] + [_PTR] * 3 + [_I64] * 2,
+    "sde_sample": [_PTR] * 3 + _STEP + [_PTR] + [_I64] * 2,  # x, v, eps, step, out; rows, n
 }
+_KINDS = {"flow": 0, "dance": 1, "cps": 2, "cps_mse": 3}
+_FOUR_DOUBLES = ctypes.c_double * 4
 
 
 @functools.cache
@@ -148,15 +155,33 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _torch(c: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-    """Coefficients for the eager path, in its compute dtype (fp64 for fp64 inputs)."""
-    dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
-    return torch.tensor(c, dtype=dtype)  # a copy: cached coefficient arrays are read-only
+def _step_args(step: StepParams, kind: str, reduction: str, keep: list) -> tuple[int, ...]:
+    """The C arguments of a step: where each parameter lies, its stride and width. Floats go
+    into one small double array; `keep` holds what the addresses point into until the call
+    returns."""
+    numbers = _FOUR_DOUBLES(*(v if type(v) is float else 0.0 for v in step))
+    base = ctypes.addressof(numbers)
+    keep.append(numbers)
+    pointers, strides, f64 = [], [], 0
+    for j, value in enumerate(step):
+        if type(value) is float:
+            pointers.append(base + 8 * j)
+            strides.append(0)
+            f64 |= 1 << j
+            continue
+        if value.dtype not in (torch.float32, torch.float64):
+            value = value.double()  # fp16 / bf16 parameters: exact in double
+        keep.append(value)
+        pointers.append(value.data_ptr())
+        strides.append(value.stride(0) if value.dim() else 0)
+        f64 |= (value.dtype == torch.float64) << j
+    return (*pointers, *strides, f64, _KINDS[kind], int(reduction == "mean"))
 
 
-def _native(*tensors: torch.Tensor) -> tuple[str | None, tuple[torch.Tensor, ...]]:
+def _native(*tensors: torch.Tensor):
     """(C suffix, contiguous tensors in its dtype) or (None, ...) when the eager path runs."""
     dtype = tensors[0].dtype
+    # Step tensors lie on the latents' device (step_params checks it): the latents decide.
     if not all(t.is_cpu for t in tensors) or library() is None or dtype == torch.float64:
         return None, tensors
     if dtype not in _SUFFIX or any(t.dtype != dtype for t in tensors):
@@ -165,71 +190,95 @@ def _native(*tensors: torch.Tensor) -> tuple[str | None, tuple[torch.Tensor, ...
     return _SUFFIX[dtype], tuple(t.contiguous() for t in tensors)
 
 
-def _residual(x, v, x_next, coef: StepCoefficients):
-    """x' - m, m = a x + b v, as [B, N] in the compute dtype (the eager fallback)."""
-    a, b = _torch(coef.row(A), x), _torch(coef.row(B), x)
+def _compute_dtype(like: torch.Tensor) -> torch.dtype:
+    return torch.float64 if like.dtype == torch.float64 else torch.float32
+
+
+def _coefficients(step, kind, reduction, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(a, b, n, alpha, beta) [B] float64 for the eager path: the C kernels' arithmetic."""
+    batch = like.shape[0]
+    return step_coefficients(step, kind, reduction, like.numel() // batch, batch, like.device)
+
+
+def _residual(x, v, x_next, a, b):
+    """x' - m, m = a x + b v, as [B, N] in a's dtype (the eager fallback)."""
     x, v, x_next = (t.reshape(t.shape[0], -1).to(a.dtype) for t in (x, v, x_next))
     return x_next - a[:, None] * x - b[:, None] * v
 
 
-def sde_logprob_fwd(x, v, x_next, coef: StepCoefficients) -> torch.Tensor:
+def sde_logprob_fwd(x, v, x_next, step: StepParams, kind: str, reduction: str) -> torch.Tensor:
     """logp [B] = alpha * sum_k (x' - a x - b v)^2 + beta over [B, ...] latents, one pass."""
     suffix, (x, v, x_next) = _native(x, v, x_next)
     if suffix is None:
-        d = _residual(x, v, x_next, coef)
-        return _torch(coef.row(ALPHA), x) * (d * d).sum(dim=1) + _torch(coef.row(BETA), x)
-    rows = x.shape[0]
+        dtype = _compute_dtype(x)
+        a, b, _, alpha, beta = (c.to(dtype) for c in _coefficients(step, kind, reduction, x))
+        d = _residual(x, v, x_next, a, b)
+        return alpha * (d * d).sum(dim=1) + beta
+    rows, keep = x.shape[0], []
     logp = torch.empty(rows, dtype=torch.float32)
     _kernel(f"sde_logprob_fwd_{suffix}")(
-        x.data_ptr(), v.data_ptr(), x_next.data_ptr(),
-        *(coef.address32(i) for i in (A, B, ALPHA, BETA)), logp.data_ptr(),
-        rows, x.numel() // rows,
+        x.data_ptr(), v.data_ptr(), x_next.data_ptr(), *_step_args(step, kind, reduction, keep),
+        logp.data_ptr(), rows, x.numel() // rows,
     )
     return logp
 
 
-def _eager_bwd(x, v, x_next, coef, grad_logp, wants):
-    """The backward in eager torch (no compiler, or float64): the same float64 scales."""
-    a, b = coef.row(A), coef.row(B)
-    scale = 2 * coef.row(ALPHA) * grad_logp.detach().to("cpu", torch.float64).numpy()
-    d = _residual(x, v, x_next, coef)
-    return [(_torch(s, x)[:, None] * d).reshape(like.shape) if want else None
-            for s, want, like in zip((-a * scale, -b * scale, scale), wants, (x, v, x_next),
-                                     strict=True)]
-
-
-def sde_logprob_bwd(x, v, x_next, coef: StepCoefficients, grad_logp, want_x, want_v, want_next):
+def sde_logprob_bwd(x, v, x_next, step: StepParams, kind: str, reduction: str, grad_logp,
+                    want_x: bool, want_v: bool, want_next: bool):
     """Gradients of sum_i g[i] logp[i] for [B, ...] latents, scale = 2 alpha g: d/dx' =
     scale (x' - m), d/dx = -a scale (x' - m), d/dv = -b scale (x' - m); one pass writes all
     requested. The kernel forms the scales from g itself, in float64 as the eager path does."""
     like, wants = (x, v, x_next), (want_x, want_v, want_next)
     suffix, (x, v, x_next) = _native(x, v, x_next)
     if suffix is None:
-        grads = _eager_bwd(x, v, x_next, coef, grad_logp, wants)
+        dtype = _compute_dtype(x)
+        a, b, _, alpha, _ = _coefficients(step, kind, reduction, x)  # float64, as in C
+        scale = 2 * alpha * grad_logp.detach().double()
+        d = _residual(x, v, x_next, a.to(dtype), b.to(dtype))
+        grads = [((s * scale).to(dtype)[:, None] * d).reshape(t.shape) if want else None
+                 for s, want, t in zip((-a, -b, 1), wants, like, strict=True)]
     else:
-        rows = x.shape[0]
+        rows, keep = x.shape[0], []
         grad = grad_logp.to(torch.float32)  # often stride 0 (the backward of .sum()): kept
         grads = [OUTPUTS.empty(x.shape, x.dtype) if want else None for want in wants]
         _kernel(f"sde_logprob_bwd_{suffix}")(
             x.data_ptr(), v.data_ptr(), x_next.data_ptr(),
-            *(coef.address64(i) for i in (A, B, ALPHA)), grad.data_ptr(), grad.stride(0),
+            *_step_args(step, kind, reduction, keep), grad.data_ptr(), grad.stride(0),
             *map(_ptr, grads), rows, x.numel() // rows,
         )
     return tuple(None if g is None else g.to(t.dtype) for g, t in zip(grads, like, strict=True))
 
 
-def sde_sample(x, v, noise, coef: StepCoefficients) -> torch.Tensor:
+def sde_sample(x, v, noise, step: StepParams, kind: str) -> torch.Tensor:
     """x' = a x + b v + n eps for [B, ...] latents, stored in x's dtype."""
     out_dtype = x.dtype
     suffix, (x, v, noise) = _native(x, v, noise)
     if suffix is None:
-        a, b, n = (_torch(coef.row(i), x)[:, None] for i in (A, B, N))
+        dtype = _compute_dtype(x)
+        a, b, n, _, _ = (c.to(dtype)[:, None] for c in _coefficients(step, kind, "mean", x))
         x2, v2, e2 = (t.reshape(t.shape[0], -1).to(a.dtype) for t in (x, v, noise))
         return (a * x2 + b * v2 + n * e2).reshape(x.shape).to(out_dtype)
-    rows = x.shape[0]
+    rows, keep = x.shape[0], []
     out = OUTPUTS.empty(x.shape, x.dtype)
     _kernel(f"sde_sample_{suffix}")(
-        x.data_ptr(), v.data_ptr(), noise.data_ptr(),
-        *(coef.address32(i) for i in (A, B, N)), out.data_ptr(), rows, x.numel() // rows,
+        x.data_ptr(), v.data_ptr(), noise.data_ptr(), *_step_args(step, kind, "mean", keep),
+        out.data_ptr(), rows, x.numel() // rows,
     )
     return out.to(out_dtype)
+
+
+def chunk_terms(delta, advantages, chunk_id, sizes, clip_low, clip_high):
+    """Per (sample, chunk): ratio, loss, d loss / d log-ratio, and mean k3, in one pass of
+    eager torch ops ([B, K] each, delta's dtype). chunk_id [S]: each step's chunk; sizes [K]."""
+    batch, num_chunks = delta.shape[0], sizes.shape[0]
+    log_ratio = delta.new_zeros(batch, num_chunks).index_add_(1, chunk_id, delta) / sizes
+    ratio = torch.exp(log_ratio)  # exactly 1.0 when logp_new == logp_old bit-for-bit
+    unclipped = -advantages[:, None] * ratio
+    clipped = -advantages[:, None] * ratio.clamp(1 - clip_low, 1 + clip_high)
+    take_unclipped = unclipped >= clipped
+    loss = torch.where(take_unclipped, unclipped, clipped)
+    # d max(...) / d log r: the clipped branch is flat wherever it wins.
+    grad_log_ratio = torch.where(take_unclipped, unclipped, torch.zeros_like(unclipped))
+    k3 = torch.exp(-delta) + delta - 1
+    kl = delta.new_zeros(batch, num_chunks).index_add_(1, chunk_id, k3) / sizes
+    return ratio, loss, grad_log_ratio, kl

@@ -2,6 +2,9 @@
 
 Inputs are already validated; sigma, sigma_next and eta are [B] tensors of the compute dtype.
 Everything is computed in that dtype (fp32, or fp64 for fp64 inputs); autograd gives backward.
+As a backend, `sde_step_logprob` / `sde_step_sample` take the same arguments as the fused ones
+(x, v, x_next or noise, StepParams, kind[, reduction]). Only tensor ops, no host reads: the
+reference traces under torch.compile(fullgraph=True).
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ import math
 from collections.abc import Sequence
 
 import torch
+
+from grpo_kernels.step_params import StepParams, all_rows
 
 
 def _per_sample_view(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -102,6 +107,24 @@ def sde_step_sample_reference(
     return x_next, logp
 
 
+def _compute_rows(step: StepParams, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    like = tensors[0]
+    dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    return all_rows(step, like.shape[0], dtype, like.device)
+
+
+def sde_step_logprob(x, v, x_next, step: StepParams, kind: str, reduction: str) -> torch.Tensor:
+    """The backend entry: the step as StepParams (see autograd.py's calling convention)."""
+    return sde_step_logprob_reference(x, v, x_next, *_compute_rows(step, x, v, x_next), kind,
+                                      reduction)
+
+
+def sde_step_sample(x, v, noise, step: StepParams, kind: str) -> torch.Tensor:
+    """The backend entry: x' in x's dtype, without autograd."""
+    with torch.no_grad():
+        return sde_step_sample_reference(x, v, noise, *_compute_rows(step, x, v), kind)[0]
+
+
 def ode_step_reference(
     x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor
 ) -> torch.Tensor:
@@ -163,12 +186,15 @@ def chunk_stats(
     """Ratio and clip stats over the trained (sample, chunk) pairs; NaN for untrained chunks."""
     clipped = ((ratio < 1 - clip_low) | (ratio > 1 + clip_high)) & chunk_mask
     trained_per_chunk = chunk_mask.sum(dim=0)
-    trained_ratios = ratio[chunk_mask]
+    trained = chunk_mask.sum()
+    # Masked reductions, not ratio[chunk_mask]: no data-dependent shape, so no host sync and
+    # no graph break under torch.compile.
+    inf = torch.full_like(ratio, math.inf)
     return {
-        "clip_frac": clipped.sum() / chunk_mask.sum(),
-        "ratio_mean": trained_ratios.mean(),
-        "ratio_min": trained_ratios.min(),
-        "ratio_max": trained_ratios.max(),
+        "clip_frac": clipped.sum() / trained,
+        "ratio_mean": torch.where(chunk_mask, ratio, 0.0).sum() / trained,
+        "ratio_min": torch.where(chunk_mask, ratio, inf).min(),
+        "ratio_max": torch.where(chunk_mask, ratio, -inf).max(),
         "clip_frac_per_chunk": clipped.sum(dim=0) / trained_per_chunk,
         "ratio_mean_per_chunk": (ratio * chunk_mask).sum(dim=0) / trained_per_chunk,
         "trained_per_chunk": trained_per_chunk,

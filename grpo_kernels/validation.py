@@ -1,11 +1,22 @@
-"""Input checks shared by every backend: bad input raises a ValueError naming the argument."""
+"""Input checks shared by every backend: bad input raises a ValueError naming the argument.
+
+Two kinds of check. Argument checks (types, shapes, dtypes, devices, Python numbers) never read
+a tensor's values and always run. Value checks read tensor values on the host (on CUDA: one
+device-to-host copy, a sync); they run by default and `validate=False` skips them, the fast path
+for a trusted caller and for torch.compile. Every `.tolist()` in grpo_kernels lives here.
+"""
 
 from __future__ import annotations
 
+import functools
+import math
+import numbers
 from collections.abc import Sequence
 
 import numpy as np
 import torch
+
+from grpo_kernels.step_params import StepParams, real_number
 
 SDE_KINDS = ("flow", "dance", "cps", "cps_mse")
 REDUCTIONS = ("mean", "sum")
@@ -39,53 +50,6 @@ def check_latents(check_nan: bool = False, **tensors: torch.Tensor) -> None:
             raise ValueError(f"{name} contains NaN or Inf")
 
 
-def step_values(
-    value: float | torch.Tensor | np.ndarray, name: str, batch: int, device: torch.device
-) -> tuple[float, ...]:
-    """A Python number, a 0-d / [1] tensor or a [B] tensor -> its checked values as Python
-    floats: one for a scalar, B for per-sample values.
-
-    Floats convert exactly from any float dtype, and a tuple of them hashes in well under a
-    microsecond, so these tuples key the coefficient cache (sde_coefficients.py).
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be a number or tensor, got a bool")
-    if isinstance(value, (int, float)):
-        return (float(value),)
-    if isinstance(value, np.ndarray) and value.shape == (batch,):
-        return tuple(value.astype(np.float64, copy=False).tolist())
-    if not isinstance(value, torch.Tensor):
-        raise ValueError(f"{name} must be a float or a tensor, got {type(value).__name__}")
-    if not value.is_floating_point():
-        raise ValueError(f"{name} must have a floating dtype, got {value.dtype}")
-    if value.device != device:
-        raise ValueError(f"{name} is on {value.device} but the latents are on {device}")
-    if value.dim() == 0 or value.shape == (1,):
-        return (float(value.reshape(())),)
-    if value.shape != (batch,):
-        raise ValueError(
-            f"{name} must be a scalar or a tensor of shape [{batch}] (one per sample), "
-            f"got shape {tuple(value.shape)}"
-        )
-    return tuple(value.tolist())
-
-
-def broadcast(values: tuple[float, ...] | None, batch: int) -> np.ndarray:
-    """step_values' tuple -> a float64 numpy array [B]; None (not given) -> NaN."""
-    if values is None:
-        return np.full(batch, np.nan)
-    if len(values) == 1:
-        return np.full(batch, values[0])
-    return np.array(values, dtype=np.float64)
-
-
-def per_sample(
-    value: float | torch.Tensor, name: str, batch: int, device: torch.device
-) -> np.ndarray:
-    """A Python number, a 0-d tensor or a [B] tensor -> a checked float64 numpy array [B]."""
-    return broadcast(step_values(value, name, batch, device), batch)
-
-
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """fp32 whatever the input dtype, except that float64 inputs stay float64 (gradcheck)."""
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
@@ -100,6 +64,66 @@ def step_params_ok(sigma, sigma_next, eta, sigma_max, kind: str) -> bool:
     if kind == "cps":  # sigma_next == 0 leaves no noise, hence no density
         ok &= sigma_next > 0
     return bool(ok.all())
+
+
+def _host_values(value) -> tuple[float, ...]:
+    """A step parameter's values as Python floats: the one device-to-host copy (sync)."""
+    if isinstance(value, torch.Tensor):
+        values = value.tolist()  # [] or [B]
+        return tuple(values) if isinstance(values, list) else (values,)
+    return (value,)
+
+
+def check_step_values(step: StepParams, kind: str, batch: int) -> None:
+    """Value checks on a step's parameters (reads them on the host; see the module doc)."""
+    _check_step_values(kind, batch, *map(_host_values, step))
+
+
+@functools.lru_cache(maxsize=256)
+def _check_step_values(kind: str, batch: int, *values: tuple[float, ...]) -> None:
+    """Cached per distinct values: a rollout repeats a handful of steps, and a hit costs well
+    under a microsecond. lru_cache never stores an exception, so bad values raise every time."""
+    arrays = [np.broadcast_to(np.asarray(v, dtype=np.float64), (batch,)) for v in values]
+    check_sde_args(kind, *arrays)
+
+
+def check_noise_finite(noise: torch.Tensor, logp: torch.Tensor) -> None:
+    """A non-finite noise makes that sample's log-prob non-finite: check the [B] log-prob
+    on the host (a microsecond on the CPU; one small copy on CUDA), and the noise itself only
+    then (x or v with NaN propagate as without sampling)."""
+    if all(map(math.isfinite, logp.tolist())):
+        return
+    if not bool(torch.isfinite(noise).all()):
+        raise ValueError(
+            "noise contains NaN or Inf; draw it with torch.randn (or pass validate=False to "
+            "skip this check)"
+        )
+
+
+def check_real(
+    value: object, name: str, *, low: float | None = None, high: float | None = None,
+    low_open: bool = False, high_open: bool = False, hint: str = "",
+) -> float:
+    """A finite real number (Python or numpy scalar) in the given range -> float."""
+    if not real_number(value):
+        raise ValueError(f"{name} must be a real number, got {type(value).__name__}{hint}")
+    number = float(value)
+    too_low = low is not None and (number <= low if low_open else number < low)
+    too_high = high is not None and (number >= high if high_open else number > high)
+    if not math.isfinite(number) or too_low or too_high:
+        left = "any" if low is None else ("(" if low_open else "[") + f"{low}"
+        right = "any" if high is None else f"{high}" + (")" if high_open else "]")
+        raise ValueError(f"{name} must be a finite number in {left}, {right}, got {value}{hint}")
+    return number
+
+
+def check_step_scalars(eta: object, sigma_max: object) -> None:
+    """The fixed settings of a step (a module's constructor): a number must be in range."""
+    if real_number(eta):
+        check_real(eta, "eta", low=0.0, low_open=True,
+                   hint="; eta must be > 0 for a stochastic step (use ode_step for eta = 0)")
+    if sigma_max is not None and real_number(sigma_max):
+        check_real(sigma_max, "sigma_max", low=0.0, high=1.0, low_open=True, high_open=True)
 
 
 def check_sde_kind(kind: str, reduction: str = "mean") -> None:
@@ -148,7 +172,9 @@ def check_chunk_loss_args(
     clip_low: float,
     clip_high: float,
     adv_clip_max: float | None,
+    kl_coef: float,
 ) -> None:
+    """Argument checks of chunk_grpo_loss (no tensor values read)."""
     for name, t in (("logp_new", logp_new), ("logp_old", logp_old), ("advantages", advantages)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -168,11 +194,10 @@ def check_chunk_loss_args(
         raise ValueError(
             f"advantages must have shape [{batch}] (one per sample), got {tuple(advantages.shape)}"
         )
-    sizes = list(chunk_sizes)
-    if len(sizes) == 0 or any(isinstance(c, bool) or not isinstance(c, int) for c in sizes):
-        raise ValueError(f"chunk_sizes must be a non-empty sequence of ints, got {chunk_sizes!r}")
-    if any(c <= 0 for c in sizes):
-        raise ValueError(f"chunk_sizes must all be >= 1, got {sizes}")
+    if batch == 0:
+        raise ValueError("logp_new has no samples (B = 0): pass at least one sample")
+    check_chunk_settings(chunk_sizes, clip_low, clip_high, adv_clip_max, kl_coef)
+    sizes = [int(c) for c in chunk_sizes]
     if sum(sizes) != steps:
         raise ValueError(
             f"chunk_sizes {sizes} sum to {sum(sizes)} but logp_new has S={steps} steps; "
@@ -188,14 +213,34 @@ def check_chunk_loss_args(
             )
         if chunk_mask.device != logp_new.device:
             raise ValueError(f"chunk_mask is on {chunk_mask.device}, logp_new on {logp_new.device}")
-        if not bool(chunk_mask.any()):
-            raise ValueError("chunk_mask selects no chunk: at least one (sample, chunk) must train")
-    if not (0 <= clip_low < 1):
-        raise ValueError(f"clip_low must lie in [0, 1), got {clip_low}")
-    if not clip_high >= 0:
-        raise ValueError(f"clip_high must be >= 0, got {clip_high}")
-    if adv_clip_max is not None and not adv_clip_max > 0:
-        raise ValueError(f"adv_clip_max must be > 0 or None, got {adv_clip_max}")
+
+
+def check_chunk_mask_values(chunk_mask: torch.Tensor | None) -> None:
+    """A value check (reads the mask): at least one (sample, chunk) pair trains."""
+    if chunk_mask is not None and not bool(chunk_mask.any()):
+        raise ValueError("chunk_mask selects no chunk: at least one (sample, chunk) must train")
+
+
+def check_chunk_settings(
+    chunk_sizes: Sequence[int], clip_low: object, clip_high: object, adv_clip_max: object,
+    kl_coef: object,
+) -> None:
+    """The loss's fixed settings (also a module's constructor): sizes and finite numbers."""
+    try:
+        sizes = list(chunk_sizes)
+    except TypeError:
+        sizes = []
+    if len(sizes) == 0 or not all(isinstance(c, numbers.Integral) and not isinstance(
+            c, (bool, np.bool_)) for c in sizes):
+        raise ValueError(f"chunk_sizes must be a non-empty sequence of ints, got {chunk_sizes!r}")
+    if any(c <= 0 for c in sizes):
+        raise ValueError(f"chunk_sizes must all be >= 1, got {[int(c) for c in sizes]}")
+    check_real(clip_low, "clip_low", low=0.0, high=1.0, high_open=True)
+    check_real(clip_high, "clip_high", low=0.0)
+    if adv_clip_max is not None:
+        check_real(adv_clip_max, "adv_clip_max", low=0.0, low_open=True,
+                   hint="; use None for no clipping")
+    check_real(kl_coef, "kl_coef", low=0.0, hint="; use 0 for no KL term")
 
 
 def check_backend(backend: str | None) -> None:

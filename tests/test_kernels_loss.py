@@ -1,5 +1,6 @@
 """chunk_grpo_loss: every backend against the reference and against the textbook special cases."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -187,3 +188,66 @@ def test_nan_rejected_when_checking():
     with pytest.raises(ValueError, match="logp_old contains NaN"):
         gk.chunk_grpo_loss(logp_new, logp_old, advantages, [4, 5], clip_low=0.1,
                            clip_high=0.1, check=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_batch_raises_a_clear_error(backend):
+    empty = torch.zeros(0, 9)
+    with pytest.raises(ValueError, match=r"no samples \(B = 0\)"):
+        gk.chunk_grpo_loss(empty, empty, torch.zeros(0), [4, 5], clip_low=0.1, clip_high=0.1,
+                           backend=backend)
+
+
+@pytest.mark.parametrize(
+    "name, value, match",
+    [
+        ("kl_coef", float("nan"), r"kl_coef must be a finite number in \[0.0, any"),
+        ("kl_coef", -0.1, "kl_coef must be a finite number"),
+        ("kl_coef", float("inf"), "kl_coef must be a finite number"),
+        ("kl_coef", "0.1", "kl_coef must be a real number, got str"),
+        ("clip_low", float("nan"), r"clip_low must be a finite number in \[0.0, 1.0\)"),
+        ("clip_low", -0.1, "clip_low must be a finite number"),
+        ("clip_high", float("inf"), "clip_high must be a finite number"),
+        ("clip_high", float("nan"), "clip_high must be a finite number"),
+        ("clip_high", True, "clip_high must be a real number, got bool"),
+        ("adv_clip_max", float("inf"), "adv_clip_max .*; use None for no clipping"),
+        ("adv_clip_max", float("nan"), "adv_clip_max must be a finite number"),
+        ("adv_clip_max", -1.0, "adv_clip_max must be a finite number"),
+        ("adv_clip_max", torch.tensor(1.0), "adv_clip_max must be a real number, got Tensor"),
+    ],
+)
+def test_every_loss_number_must_be_finite_and_in_range(name, value, match):
+    logp_new, logp_old, advantages = _data()
+    kwargs = dict(clip_low=0.1, clip_high=0.1) | {name: value}
+    with pytest.raises(ValueError, match=match):
+        gk.chunk_grpo_loss(logp_new, logp_old, advantages, [4, 5], **kwargs)
+    with pytest.raises(ValueError, match=match):  # the module checks at construction
+        gk.ChunkGrpoLoss([4, 5], **kwargs)
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, match",
+    [
+        (([0],), dict(clip_low=0.1, clip_high=0.1), "chunk_sizes must all be >= 1"),
+        (([],), dict(clip_low=0.1, clip_high=0.1), "chunk_sizes must be a non-empty"),
+        (([1.5],), dict(clip_low=0.1, clip_high=0.1), "sequence of ints"),
+        ((3,), dict(clip_low=0.1, clip_high=0.1), "sequence of ints"),
+        (([4, 5],), dict(clip_low=1.0, clip_high=0.1), "clip_low"),
+        (([4, 5],), dict(clip_low=0.1, clip_high=0.1, kl_coef=-1.0), "kl_coef"),
+        (([4, 5],), dict(clip_low=0.1, clip_high=0.1, backend="fused"), "backend must be"),
+    ],
+)
+def test_module_settings_fail_at_construction(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        gk.ChunkGrpoLoss(*args, **kwargs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_numpy_numbers_are_accepted_like_python_numbers(backend):
+    logp_new, logp_old, advantages = _data()
+    want = gk.chunk_grpo_loss(logp_new, logp_old, advantages, [4, 5], clip_low=0.1,
+                              clip_high=0.2, adv_clip_max=1.0, kl_coef=0.05, backend=backend)
+    got = gk.chunk_grpo_loss(logp_new, logp_old, advantages, np.array([4, 5]),
+                             clip_low=np.float32(0.1), clip_high=np.float64(0.2),
+                             adv_clip_max=np.int64(1), kl_coef=np.float32(0.05), backend=backend)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-7)

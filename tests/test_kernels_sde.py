@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -390,24 +391,35 @@ def _logp_and_grad_v(x, v, x_next, sigma, sigma_next, **kwargs):
     return logp, torch.autograd.grad(logp.sum(), v)[0]
 
 
-def test_coefficient_cache_hit_equals_miss():
-    from grpo_kernels.sde_coefficients import step_coefficients
+def test_value_check_cache_hit_equals_miss():
+    from grpo_kernels.validation import _check_step_values
 
     x, v, x_next, sigma, sigma_next = _inputs((3, 4, 5))
-    step_coefficients.cache_clear()
+    _check_step_values.cache_clear()
     miss = _logp_and_grad_v(x, v, x_next, sigma, sigma_next)
-    assert step_coefficients.cache_info().misses == 1
+    assert _check_step_values.cache_info().misses == 1
     hit = _logp_and_grad_v(x, v, x_next, sigma.clone(), sigma_next.clone())  # equal values
-    assert step_coefficients.cache_info().hits >= 1
+    assert _check_step_values.cache_info().hits >= 1
     for a, b in zip(miss, hit, strict=True):
         assert torch.equal(a, b)
-    # The cached entry holds exactly what an uncached computation gives, and is read-only.
-    key = ("flow", "mean", 20, 3, tuple(sigma.tolist()), tuple(sigma_next.tolist()), (0.7,),
-           (SIGMA_MAX,))
-    cached, fresh = step_coefficients(*key), step_coefficients.__wrapped__(*key)
-    assert (cached.table64 == fresh.table64).all() and (cached.table32 == fresh.table32).all()
-    with pytest.raises(ValueError, match="read-only"):
-        cached.table64[0, 0] = 1.0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_c_kernel_coefficients_equal_the_torch_float64_ones(kind):
+    # The C sampler writes a x + b v + n eps: unit inputs expose each per-row coefficient.
+    from grpo_kernels.sde_coefficients import step_coefficients
+    from grpo_kernels.step_params import step_params
+
+    sigma = torch.tensor([1.0, 0.8, 0.55, 0.2])
+    sigma_next = torch.tensor([0.9, 0.7, 0.3, 0.05])
+    ones, zeros = torch.ones(4, 3), torch.zeros(4, 3)
+    step = step_params(ones, sigma, sigma_next, 0.7, SIGMA_MAX)
+    want = step_coefficients(step, kind, "mean", 3, 4, ones.device)
+    for i, (x, v, e) in enumerate([(ones, zeros, zeros), (zeros, ones, zeros),
+                                   (zeros, zeros, ones)]):
+        got = gk.sde_step_sample(x, v, e, sigma, sigma_next, eta=0.7, kind=kind,
+                                 sigma_max=SIGMA_MAX, backend="cpu_fused")[0]
+        assert torch.equal(got[:, 0], want[i].float()), (kind, "abn"[i])
 
 
 def test_coefficient_cache_never_returns_stale_values():
@@ -435,27 +447,26 @@ def test_coefficient_cache_never_returns_stale_values():
            rtol=1e-5)
 
 
-def test_coefficient_cache_keeps_no_invalid_entry_and_is_bounded():
-    from grpo_kernels.sde_coefficients import step_coefficients
+def test_value_check_cache_keeps_no_invalid_entry_and_is_bounded():
+    from grpo_kernels.validation import _check_step_values
 
     x, v, x_next, _, _ = _inputs((2, 3, 4))
     for _ in range(2):  # raised on every call, never served from the cache
         with pytest.raises(ValueError, match="sigma_next must satisfy"):
             gk.sde_step_logprob(x, v, x_next, 0.5, 0.6, eta=0.7)
-    for i in range(step_coefficients.cache_info().maxsize + 10):
+    for i in range(_check_step_values.cache_info().maxsize + 10):
         gk.sde_step_logprob(x, v, x_next, 0.5, 0.4 - i * 1e-4, eta=0.7, kind="dance")
-    info = step_coefficients.cache_info()
+    info = _check_step_values.cache_info()
     assert info.currsize == info.maxsize
 
 
-def test_coefficient_cache_signed_zero_gives_one_result():
-    # -0.0 == 0.0 share a cache key: the result must not depend on which one came first.
-    from grpo_kernels.sde_coefficients import step_coefficients
-
-    key = ("cps_mse", "mean", 4, 1, (0.5,), (0.0,), (0.7,), None)
-    negative = key[:5] + ((-0.0,),) + key[6:]
-    fresh = [step_coefficients.__wrapped__(*k).table64 for k in (key, negative)]
-    assert fresh[0].tobytes() == fresh[1].tobytes()
+@pytest.mark.parametrize("backend", ["reference", "cpu_fused", "triton"])
+def test_signed_zero_gives_one_result(backend):
+    # -0.0 == 0.0: the result must not depend on the sign of a zero sigma_next.
+    x, v, x_next, _, _ = _inputs((2, 3, 4))
+    out = [gk.sde_step_logprob(x, v, x_next, 0.5, zero, eta=0.7, kind="cps_mse",
+                               backend=backend) for zero in (0.0, -0.0, torch.tensor(-0.0))]
+    assert all(torch.equal(out[0], o) for o in out[1:])
 
 
 def test_backward_of_sum_equals_explicit_ones():
@@ -466,3 +477,80 @@ def test_backward_of_sum_equals_explicit_ones():
     (expanded,) = torch.autograd.grad(logp.sum(), v, retain_graph=True)
     (explicit,) = torch.autograd.grad(logp, v, torch.ones(3))
     assert torch.equal(expanded, explicit)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu_fused", "triton"])
+@pytest.mark.parametrize("make", ["np.float32", "np.float64", "np.int64 eta", "0-d ndarray"])
+def test_numpy_step_values_are_accepted(make, backend):
+    x, v, x_next, _, _ = _inputs((2, 3, 4))
+    values = {"np.float32": dict(sigma=np.float32(0.75), sigma_next=np.float32(0.625)),
+              "np.float64": dict(sigma=np.float64(0.75), sigma_max=np.float64(SIGMA_MAX)),
+              "np.int64 eta": dict(eta=np.int64(1)),
+              "0-d ndarray": dict(sigma_next=np.array(0.625, dtype=np.float32))}[make]
+    base = dict(sigma=0.75, sigma_next=0.625, eta=1 if "eta" in make else 0.7,
+                sigma_max=SIGMA_MAX)
+    want = gk.sde_step_logprob(x, v, x_next, backend=backend, **base)
+    got = gk.sde_step_logprob(x, v, x_next, backend=backend, **(base | values))
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu_fused", "triton"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_noise_is_rejected_when_validating(bad, backend):
+    x, v, _, sigma, sigma_next = _inputs((2, 3, 4))
+    noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(0))
+    noise[1, 2, 3] = bad
+    kwargs = dict(eta=0.7, kind="dance", backend=backend)
+    with pytest.raises(ValueError, match="noise contains NaN or Inf; draw it with torch.randn"):
+        gk.sde_step_sample(x, v, noise, sigma, sigma_next, **kwargs)
+    x_next, logp = gk.sde_step_sample(x, v, noise, sigma, sigma_next, validate=False, **kwargs)
+    assert not torch.isfinite(x_next[1]).all() and torch.isfinite(logp[0])
+
+
+def test_nan_velocity_still_propagates_through_sampling():
+    # Only the noise is checked: a NaN velocity gives a NaN sample, as before (the trainer
+    # detects divergence itself).
+    x, v, _, sigma, sigma_next = _inputs((2, 3, 4))
+    v[0, 0, 0] = float("nan")
+    x_next, logp = gk.sde_step_sample(x, v, torch.zeros_like(x), sigma, sigma_next, eta=0.7,
+                                      kind="dance")
+    assert logp[0].isnan() and not logp[1].isnan()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(eta=-1.0), "eta must be a finite number"),
+        (dict(eta=0.0), "eta must be a finite number"),
+        (dict(eta=float("nan")), "eta must be a finite number"),
+        (dict(eta=float("inf")), "eta must be a finite number"),
+        (dict(eta=0.7, sigma_max=1.0), "sigma_max must be a finite number"),
+        (dict(eta=0.7, sigma_max=float("nan")), "sigma_max must be a finite number"),
+        (dict(eta=0.7, kind="sde"), "kind must be one of"),
+        (dict(eta=0.7, reduction="none"), "reduction must be one of"),
+        (dict(eta=0.7, backend="gpu"), "backend must be"),
+    ],
+)
+def test_module_settings_fail_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        gk.SdeStepLogprob(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(sigma=float("nan")), "sigma must lie in"),
+        (dict(sigma_next=float("-inf")), "sigma_next must satisfy"),
+        (dict(eta=float("inf")), "eta must be a finite number > 0"),
+        (dict(kind="flow", sigma=1.0, sigma_next=0.9, sigma_max=float("nan")),
+         "sigma_max is required"),
+        (dict(kind="flow", sigma=torch.tensor([1.0, 0.5]), sigma_next=0.4,
+              sigma_max=float("inf")), "sigma_max must lie"),
+        (dict(eta=np.float32("nan")), "eta must be a finite number > 0"),
+        (dict(sigma="0.5"), "sigma must be a real number or a float tensor, got str"),
+        (dict(sigma=True), "sigma must be a real number or a float tensor, got bool"),
+    ],
+)
+def test_every_step_number_must_be_finite_and_in_range(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        _call(**overrides)

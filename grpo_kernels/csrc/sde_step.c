@@ -1,8 +1,10 @@
 /* Fused CPU kernels for one SDE step of a flow-matching policy (see grpo_kernels/cpu_fused.py).
  *
- * Latents are contiguous [B, N] rows of fp32 or bf16; per-sample coefficients are fp32 [B]
- * (float64 in the backward, which forms its scales from them):
+ * Latents are contiguous [B, N] rows of fp32 or bf16. Each kernel computes its per-row
+ * coefficients itself, in double, from the step's parameters (step_coefficients below): the
  * mean m = a x + b v (never stored), x' = m + n eps, logp = alpha * sum (x' - m)^2 + beta.
+ * The forward and the sampler use them rounded to float; the backward forms its scales in
+ * double.
  * Work is split into fixed blocks of BLOCK elements (static OpenMP schedule: each thread takes
  * one contiguous run of blocks), and partial sums are added in block order, so results are
  * bit-identical for any thread count.
@@ -37,18 +39,75 @@ static inline void store_bf16(uint16_t *p, int64_t i, float f) {
     p[i] = (uint16_t)(u >> 16);
 }
 
+/* The step's parameters: sigma, sigma', eta, sigma_max. Row i of parameter j is
+ * p[j][i * stride[j]] (stride 0: one value for every row), a double if bit j of f64 is set, else
+ * a float. kind: 0 flow, 1 dance, 2 cps, 3 cps_mse; mean: 1 for reduction="mean", 0 for "sum". */
+#define STEP_ARGS const void *p_sigma, const void *p_next, const void *p_eta, const void *p_max, \
+    int64_t s_sigma, int64_t s_next, int64_t s_eta, int64_t s_max, int64_t f64, int64_t kind,  \
+    int64_t mean
+#define STEP_INIT {{p_sigma, p_next, p_eta, p_max}, {s_sigma, s_next, s_eta, s_max}, f64, kind, mean}
+
+typedef struct {
+    const void *p[4];
+    int64_t stride[4];
+    int64_t f64, kind, mean;
+} step_t;
+
+enum { A, B, N, ALPHA, BETA };
+
+static inline double step_param(const step_t *st, int j, int64_t row) {
+    int64_t i = row * st->stride[j];
+    /* + 0.0: a -0.0 parameter computes as 0.0 */
+    return ((st->f64 >> j) & 1 ? ((const double *)st->p[j])[i] : (double)((const float *)st->p[j])[i]) + 0.0;
+}
+
+/* Row `row`'s (a, b, n, alpha, beta) for rows of n_elems elements: DESIGN.md's formulas
+ * expanded (see sde_coefficients.py, which computes the same expressions in torch). No FMA
+ * contraction here: every operation rounds as written, as numpy and torch round it. */
+__attribute__((optimize("fp-contract=off")))
+static void step_coefficients(const step_t *st, int64_t row, int64_t n_elems, double c[5]) {
+    const double s = step_param(st, 0, row), s_next = step_param(st, 1, row);
+    const double eta = step_param(st, 2, row), s_max = step_param(st, 3, row);
+    const double dt = s_next - s;
+    double a, b, n;
+    if (st->kind == 0) { /* flow: at s == 1 the schedule's s_1 replaces s in the denominator */
+        double std = eta * sqrt(s / (1 - (s == 1 ? s_max : s)));
+        a = 1 + std * std / (2 * s) * dt;
+        b = (1 + std * std * (1 - s) / (2 * s)) * dt;
+        n = std * sqrt(-dt);
+    } else if (st->kind == 1) { /* dance */
+        double drift = 0.5 * (eta * eta) * dt / s;
+        a = 1 + drift;
+        b = dt + drift * (1 - s);
+        n = eta * sqrt(-dt);
+    } else { /* cps, cps_mse */
+        n = s_next * sin(eta * (M_PI / 2));
+        double k = sqrt(s_next * s_next - n * n);
+        a = (1 - s_next) + k;
+        b = -(1 - s_next) * s + k * (1 - s);
+    }
+    double alpha, beta;
+    if (st->kind == 3) { alpha = -1.0; beta = 0.0; }
+    else { alpha = -1 / (2 * (n * n)); beta = -log(n) - 0.5 * log(2 * M_PI); }
+    if (st->mean) alpha = alpha / (double)n_elems;
+    else beta = beta * (double)n_elems;
+    c[A] = a; c[B] = b; c[N] = n; c[ALPHA] = alpha; c[BETA] = beta;
+}
+
 #define DEFINE_KERNELS(T, SUFFIX)                                                              \
 /* logp[i] = alpha[i] * sum_k (x'[i,k] - a[i] x[i,k] - b[i] v[i,k])^2 + beta[i] */             \
-void sde_logprob_fwd_##SUFFIX(const T *x, const T *v, const T *xn, const float *a,             \
-                              const float *b, const float *alpha, const float *beta,           \
+void sde_logprob_fwd_##SUFFIX(const T *x, const T *v, const T *xn, STEP_ARGS,               \
                               float *logp, int64_t rows, int64_t n) {                          \
+    const step_t st = STEP_INIT;                                                               \
     int64_t blocks = (n + BLOCK - 1) / BLOCK;                                                  \
     double *partial = malloc(sizeof(double) * rows * blocks);                                  \
     _Pragma("omp parallel for schedule(static) if (rows * n >= PARALLEL_MIN)")                 \
     for (int64_t task = 0; task < rows * blocks; task++) {                                     \
         int64_t row = task / blocks, start = (task % blocks) * BLOCK;                          \
         int64_t stop = start + BLOCK < n ? start + BLOCK : n;                                  \
-        const float ar = a[row], br = b[row];                                                  \
+        double c[5];                                                                           \
+        step_coefficients(&st, row, n, c);                                                     \
+        const float ar = (float)c[A], br = (float)c[B];                                        \
         const int64_t off = row * n;                                                           \
         float acc[LANES] = {0};                                                                \
         int64_t k = start;                                                                     \
@@ -70,7 +129,9 @@ void sde_logprob_fwd_##SUFFIX(const T *x, const T *v, const T *xn, const float *
     for (int64_t row = 0; row < rows; row++) {                                                 \
         double sum = 0.0;                                                                      \
         for (int64_t blk = 0; blk < blocks; blk++) sum += partial[row * blocks + blk];         \
-        logp[row] = (float)((double)alpha[row] * sum + (double)beta[row]);                     \
+        double c[5];                                                                           \
+        step_coefficients(&st, row, n, c);                                                     \
+        logp[row] = (float)((double)(float)c[ALPHA] * sum + (double)(float)c[BETA]);           \
     }                                                                                          \
     free(partial);                                                                             \
 }                                                                                              \
@@ -79,17 +140,19 @@ void sde_logprob_fwd_##SUFFIX(const T *x, const T *v, const T *xn, const float *
  * gx = -a scale d, gv = -b scale d, gx' = scale d, for each requested (non-NULL) output.     \
  * The scales are formed in double from the double coefficients, then rounded to float.     \
  * g is read with a stride (0 for the backward of a .sum()). */                              \
-void sde_logprob_bwd_##SUFFIX(const T *x, const T *v, const T *xn, const double *a,            \
-                              const double *b, const double *alpha, const float *g,            \
+void sde_logprob_bwd_##SUFFIX(const T *x, const T *v, const T *xn, STEP_ARGS, const float *g,   \
                               int64_t g_stride, T *gx, T *gv, T *gn, int64_t rows, int64_t n) { \
+    const step_t st = STEP_INIT;                                                               \
     int64_t blocks = (n + BLOCK - 1) / BLOCK;                                                  \
     _Pragma("omp parallel for schedule(static) if (rows * n >= PARALLEL_MIN)")                 \
     for (int64_t task = 0; task < rows * blocks; task++) {                                     \
         int64_t row = task / blocks, start = (task % blocks) * BLOCK;                          \
         int64_t stop = start + BLOCK < n ? start + BLOCK : n;                                  \
-        const double scale = 2.0 * alpha[row] * (double)g[row * g_stride];                     \
-        const float ar = (float)a[row], br = (float)b[row];                                    \
-        const float sx = (float)(-a[row] * scale), sv = (float)(-b[row] * scale);              \
+        double c[5];                                                                           \
+        step_coefficients(&st, row, n, c);                                                     \
+        const double scale = 2.0 * c[ALPHA] * (double)g[row * g_stride];                       \
+        const float ar = (float)c[A], br = (float)c[B];                                        \
+        const float sx = (float)(-c[A] * scale), sv = (float)(-c[B] * scale);                  \
         const float sn = (float)scale;                                                         \
         const int64_t off = row * n;                                                           \
         if (gv && !gx && !gn) { /* the common case: gradient to the velocity only */           \
@@ -107,15 +170,18 @@ void sde_logprob_bwd_##SUFFIX(const T *x, const T *v, const T *xn, const double 
     }                                                                                          \
 }                                                                                              \
                                                                                                \
-/* out[i,k] = a[i] x[i,k] + b[i] v[i,k] + scale[i] eps[i,k] */                                 \
-void sde_sample_##SUFFIX(const T *x, const T *v, const T *eps, const float *a, const float *b, \
-                         const float *scale, T *out, int64_t rows, int64_t n) {                \
+/* out[i,k] = a[i] x[i,k] + b[i] v[i,k] + n[i] eps[i,k] */                                 \
+void sde_sample_##SUFFIX(const T *x, const T *v, const T *eps, STEP_ARGS, T *out,             \
+                         int64_t rows, int64_t n) {                                            \
+    const step_t st = STEP_INIT;                                                               \
     int64_t blocks = (n + BLOCK - 1) / BLOCK;                                                  \
     _Pragma("omp parallel for schedule(static) if (rows * n >= PARALLEL_MIN)")                 \
     for (int64_t task = 0; task < rows * blocks; task++) {                                     \
         int64_t row = task / blocks, start = (task % blocks) * BLOCK;                          \
         int64_t stop = start + BLOCK < n ? start + BLOCK : n;                                  \
-        const float ar = a[row], br = b[row], sr = scale[row];                                 \
+        double c[5];                                                                           \
+        step_coefficients(&st, row, n, c);                                                     \
+        const float ar = (float)c[A], br = (float)c[B], sr = (float)c[N];                      \
         for (int64_t k = row * n + start; k < row * n + stop; k++)                             \
             store_##SUFFIX(out, k, ar * load_##SUFFIX(x, k) + br * load_##SUFFIX(v, k)         \
                                    + sr * load_##SUFFIX(eps, k));                              \
