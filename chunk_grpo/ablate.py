@@ -38,6 +38,7 @@ from chunk_grpo import distributed as D
 from chunk_grpo.checkpoint import latest_checkpoint, load_checkpoint
 from chunk_grpo.config import (
     ConfigError,
+    RunInterrupted,
     TrainConfig,
     build_config,
     load_yaml,
@@ -536,9 +537,9 @@ def main(argv: list[str] | None = None) -> str:
     try:
         table = run_ablation(a.out, a.cells, a.seeds, a.base, a.minutes, a.eval_images,
                              a.eval_seed)
-    except KeyboardInterrupt:
-        raise SystemExit(f"\n{PROG}: interrupted; rerun the same command to continue "
-                         "(finished runs are kept, the interrupted one resumes)") from None
+    except (KeyboardInterrupt, RunInterrupted):
+        raise RunInterrupted("interrupted (Ctrl-C); rerun the same command to continue (finished "
+                             "runs are kept, the interrupted one resumes)") from None
     print(table, flush=True)
     written = [a.out / name for name in ("table.md", "curves.png") if (a.out / name).is_file()]
     print("wrote " + " and ".join(map(str, written)))

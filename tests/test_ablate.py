@@ -12,7 +12,7 @@ from trainer_utils import tiny_model_dir
 
 from chunk_grpo import ablate
 from chunk_grpo.chunking import parse_chunk_spec
-from chunk_grpo.config import ConfigError, run_cli
+from chunk_grpo.config import ConfigError, RunInterrupted, run_cli
 from chunk_grpo.metrics import read_metrics
 
 
@@ -154,7 +154,8 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_result(finished, model,
         if step == 1:
             raise Stop
 
-    with pytest.raises(Stop):
+    # The trainer turns Ctrl-C into RunInterrupted (naming the checkpoint to resume from).
+    with pytest.raises(RunInterrupted):
         ablate.run_ablation(out, cells, [0], tiny_base(model), minutes=0, count=4,
                             on_step_end=stop_after_1, progress=False)
     run_dir = out / "cells" / "chunk2-s0"
@@ -179,7 +180,7 @@ def test_a_resumed_run_gets_only_the_rest_of_its_time(model, tmp_path):
         if step == 1:
             raise Stop
 
-    with pytest.raises(Stop):
+    with pytest.raises(RunInterrupted):
         ablate.train_resumably(cfg, run_dir, stop_after_1)
     (run_dir / "timing.json").write_text(json.dumps({"elapsed": {"1": 600.0}}))
     trained = ablate.train_resumably(cfg, run_dir)

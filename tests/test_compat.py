@@ -1,4 +1,4 @@
-"""grpo_kernels.compat against DESIGN.md's formulas, written out here (no kernel call), in each
+"""grpo_kernels.compat against docs/math.md's formulas, written out here (no kernel call), in each
 project's return conventions: Flow-GRPO, Dance-GRPO, GCPO."""
 
 import math
@@ -18,7 +18,7 @@ def _view(t, like):
 
 
 def flow_mean_and_std(x, v, s, s_next, eta, s_max):
-    """DESIGN.md `flow`: std = eta sqrt(s / (1 - s)) (s_1 in the denominator at s == 1)."""
+    """docs/math.md `flow`: std = eta sqrt(s / (1 - s)) (s_1 in the denominator at s == 1)."""
     s, s_next = _view(s, x), _view(s_next, x)
     dt = s_next - s
     std = eta * torch.sqrt(s / (1 - torch.where(s == 1, torch.as_tensor(s_max), s)))
@@ -27,7 +27,7 @@ def flow_mean_and_std(x, v, s, s_next, eta, s_max):
 
 
 def dance_mean(x, v, s, s_next, eta):
-    """DESIGN.md `dance`: m = x + dt v + (-0.5 eta^2 score) dt, score from x0 = x - s v."""
+    """docs/math.md `dance`: m = x + dt v + (-0.5 eta^2 score) dt, score from x0 = x - s v."""
     dt = s_next - s
     x0 = x - s * v
     score = -(x - (1 - s) * x0) / s**2
@@ -92,7 +92,7 @@ def test_flow_grpo_cps_and_sqrt_dt():
     steps = [scheduler.index_for_timestep(t) for t in timestep]
     s, s_next = (_view(scheduler.sigmas[idx], x) for idx in
                  (steps, [i + 1 for i in steps]))
-    # DESIGN.md `cps`: n = s' sin(eta pi / 2), m = (1 - s') x0 + sqrt(s'^2 - n^2) x1.
+    # docs/math.md `cps`: n = s' sin(eta pi / 2), m = (1 - s') x0 + sqrt(s'^2 - n^2) x1.
     n = s_next * math.sin(ETA * math.pi / 2)
     mean = (1 - s_next) * (x - s * v) + torch.sqrt(s_next**2 - n**2) * (x + (1 - s) * v)
     prev = mean + n * e

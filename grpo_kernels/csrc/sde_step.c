@@ -61,7 +61,7 @@ static inline double step_param(const step_t *st, int j, int64_t row) {
     return ((st->f64 >> j) & 1 ? ((const double *)st->p[j])[i] : (double)((const float *)st->p[j])[i]) + 0.0;
 }
 
-/* Row `row`'s (a, b, n, alpha, beta) for rows of n_elems elements: DESIGN.md's formulas
+/* Row `row`'s (a, b, n, alpha, beta) for rows of n_elems elements: docs/math.md's formulas
  * expanded (see sde_coefficients.py, which computes the same expressions in torch). No FMA
  * contraction here: every operation rounds as written, as numpy and torch round it. */
 __attribute__((optimize("fp-contract=off")))
