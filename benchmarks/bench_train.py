@@ -11,6 +11,11 @@ a fresh process: resident memory above its level before the iteration (sampled e
 process that ran the other layout first would reuse freed memory), or the CUDA peak.
 The embedded model is used when it is installed, else a random model of the same architecture
 (speed does not depend on the weights).
+
+`test_reward_overlap` measures the reward phase with and without scoring each rollout batch
+while the next is sampled (`reward_overlap`), on 4 rollout batches of 16 rows: with a reward
+whose latency is not CPU work (a model on another device or a reward server; here a 10 ms per
+image sleep) and with the shapes reward (CPU work competing with the sampler for the cores).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from chunk_grpo import distributed as D
 from chunk_grpo.advantages import group_advantages
 from chunk_grpo.chunking import select_chunks
 from chunk_grpo.config import TrainConfig
+from chunk_grpo.rewards import register_reward
 from chunk_grpo.rollout import autocast_context, sde_steps
 from chunk_grpo.schedule import flux_sigmas
 from chunk_grpo.train import build_trainer, train_iteration
@@ -235,3 +241,49 @@ def test_speedup_at_least_3x():
     for phase in ("rollout", "reward", "train"):
         print(f"  {phase}: {dance[phase]:.2f} s -> {ours[phase]:.2f} s")
     assert ratio >= 3.0
+
+
+class SleepyReward:
+    """Mean brightness after 10 ms per image of waiting: a reward's latency that is not CPU
+    work here (a model on another device, a reward server)."""
+
+    def __call__(self, images, prompts):
+        time.sleep(0.01 * len(prompts))
+        return images.float().mean(dim=(1, 2, 3))
+
+
+register_reward("bench_sleepy")(SleepyReward)
+
+
+def _sample_and_score(tr, step: int) -> dict:
+    metrics, finite = train_iteration(tr, step)
+    assert finite
+    return {"rollout": metrics["time/rollout"], "reward": metrics["time/reward"],
+            "scoring": metrics["time/reward_scoring"],
+            "phase": metrics["time/rollout"] + metrics["time/reward"]}
+
+
+@pytest.mark.parametrize("reward", ["bench_sleepy", "shapes"])
+def test_reward_overlap(benchmark, model_dir, tmp_path, reward):
+    cfg = TrainConfig(model=str(model_dir), output_dir=str(tmp_path / "run"), progress=False,
+                      image_grid_every=0, reward=reward, rollout_batch_size=16).validate()
+    tr = build_trainer(cfg, tmp_path / "run", D.DistInfo())
+    _sample_and_score(tr, 0)  # warm-up
+    out = {}
+    for overlap in (False, True):
+        tr.cfg.reward_overlap = overlap
+        out[overlap] = _sample_and_score(tr, 1)
+    benchmark.pedantic(lambda: _sample_and_score(tr, 2), rounds=1, iterations=1)
+    off, on = out[False], out[True]
+    saved = off["phase"] - on["phase"]
+    benchmark.extra_info.update(
+        reward_scoring_s=round(off["scoring"], 3), saved_s=round(saved, 3),
+        **{f"{k}_{'overlap' if o else 'serial'}_s": round(v, 3)
+           for o, d in out.items() for k, v in d.items()})
+    print(f"\n{reward}: scoring {off['scoring']:.2f} s in 4 batches; rollout+reward "
+          f"{off['phase']:.2f} s serial (rollout {off['rollout']:.2f}, reward {off['reward']:.2f})"
+          f" -> {on['phase']:.2f} s overlapped (rollout {on['rollout']:.2f}, waiting for the "
+          f"last batch's scores {on['reward']:.2f}); saved {saved:.2f} s "
+          f"= {saved / off['scoring']:.0%} of the scoring time")
+    if reward == "bench_sleepy":  # 3 of the 4 batches' waits hide behind sampling
+        assert saved >= 0.5 * off["scoring"]

@@ -26,7 +26,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from chunk_grpo.paired import SAMPLE_DECIMALS, paired_difference
-from chunk_grpo.rewards import Reward, get_reward
+from chunk_grpo.rewards import Reward, build_reward
 from chunk_grpo.rollout import SDE_KINDS, generate
 from chunk_grpo.shapes import HELDOUT_PROMPTS_FILE, load_prompts
 from chunk_grpo.stats import best_of_k, mean_ci95
@@ -90,7 +90,7 @@ def evaluate_policy(
         raise ValueError("prompts must be a non-empty list of strings")
     if images_per_prompt < 1:
         raise ValueError(f"images_per_prompt must be >= 1, got {images_per_prompt}")
-    scorer = get_reward(reward) if isinstance(reward, str) else reward
+    scorer = build_reward(reward) if isinstance(reward, str) else reward
     defaults = getattr(policy, "defaults", None)
     num_steps = num_steps if num_steps is not None else getattr(defaults, "num_steps", 16)
     shift = shift if shift is not None else getattr(defaults, "shift", 3.0)
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> EvalResult:
     args = _parser().parse_args(argv)
     if args.hybrid_steps and args.hybrid_base is None:
         raise SystemExit("--hybrid-steps needs --hybrid-base (the base model for the rest)")
-    scorer = get_reward(args.reward)  # first: a misspelt reward fails before the model loads
+    scorer = build_reward(args.reward)  # first: a misspelt reward fails before the model loads
     prompts = load_prompts(args.prompts)
     if args.max_prompts is not None:
         if args.max_prompts < 1:

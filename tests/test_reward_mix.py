@@ -219,3 +219,21 @@ def test_rollout_hook_sees_each_batch_in_order(tmp_path):
     assert [i for i, _, _ in seen] == [0, 1]
     assert torch.equal(torch.cat([im for _, im, _ in seen]), rollout.images)
     assert [p for _, _, ps in seen for p in ps] == ["a red circle"] * 3 + ["two blue squares"] * 3
+
+
+def test_g2rpo_per_reward_advantages_sum_over_finishes_and_rewards(tmp_path):
+    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", algorithm="g2rpo",
+                      shared_noise=True, g2rpo_granularities="1,2", mix_advantage="per_reward",
+                      reward="test_brightness=1.0,test_mix_red=0.5", adv_clip_max=None)
+    tr = build_trainer(cfg, tmp_path / "run", D.DistInfo())
+    scored = []
+    score = tr.reward_fn.score
+    tr.reward_fn.score = lambda images, prompts: scored.append(score(images, prompts)) or scored[-1]
+    metrics, finite = train_iteration(tr, 0)
+    assert finite and len(scored) == 2  # the two finishes, each by both rewards
+    want = per_reward_advantages([(w, s[label], None) for s in scored
+                                  for label, w in (("test_brightness", 1.0),
+                                                   ("test_mix_red", 0.5))], 4)
+    assert metrics["adv_abs_max"] == pytest.approx(float(want.abs().max()))
+    assert metrics["reward/test_mix_red_mean"] == pytest.approx(
+        float(scored[0]["test_mix_red"].mean()))
