@@ -17,7 +17,10 @@ import torch
 
 
 class Reward(Protocol):
-    """Scores images against their prompts: images [B, 3, H, W] in [0, 1] -> float32 [B] (CPU)."""
+    """Scores images against their prompts: images [B, 3, H, W] in [0, 1] -> float32 [B] (CPU).
+
+    A list, tuple or numpy array of B numbers is accepted too (see `chunk_grpo.rewards.outputs`).
+    """
 
     def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor: ...
 
