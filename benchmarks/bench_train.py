@@ -278,15 +278,19 @@ def test_reward_overlap(benchmark, model_dir, tmp_path, reward):
     benchmark.pedantic(lambda: out.update({True: _sample_and_score(tr, 2)}), rounds=1,
                        iterations=1)
     off, on = out[False], out[True]
+    # Within the overlapped iteration: the scoring time not spent waiting after sampling. The
+    # serial-vs-overlapped wall difference also counts the sampler's run-to-run noise, and any
+    # slow-down of the sampler by a reward that competes for the same cores.
+    hidden = on["scoring"] - on["reward"]
     saved = off["phase"] - on["phase"]
     benchmark.extra_info.update(
-        reward_scoring_s=round(off["scoring"], 3), saved_s=round(saved, 3),
+        hidden_s=round(hidden, 3), saved_wall_s=round(saved, 3),
         **{f"{k}_{'overlap' if o else 'serial'}_s": round(v, 3)
            for o, d in out.items() for k, v in d.items()})
-    print(f"\n{reward}: scoring {off['scoring']:.2f} s in 4 batches; rollout+reward "
-          f"{off['phase']:.2f} s serial (rollout {off['rollout']:.2f}, reward {off['reward']:.2f})"
-          f" -> {on['phase']:.2f} s overlapped (rollout {on['rollout']:.2f}, waiting for the "
-          f"last batch's scores {on['reward']:.2f}); saved {saved:.2f} s "
-          f"= {saved / off['scoring']:.0%} of the scoring time")
-    if reward == "bench_sleepy":  # 3 of the 4 batches' waits hide behind sampling
-        assert saved >= 0.5 * off["scoring"]
+    print(f"\n{reward}: serial: rollout {off['rollout']:.2f} s, then reward {off['reward']:.2f} s"
+          f" | overlapped: rollout {on['rollout']:.2f} s, scoring {on['scoring']:.2f} s of which "
+          f"{on['reward']:.2f} s waited for after sampling: {hidden:.2f} s "
+          f"({hidden / on['scoring']:.0%}) hidden | rollout+reward wall {off['phase']:.2f} -> "
+          f"{on['phase']:.2f} s")
+    if reward == "bench_sleepy":  # only the last of the 4 batches is left after sampling
+        assert on["reward"] <= 0.5 * on["scoring"]

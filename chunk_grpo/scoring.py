@@ -1,7 +1,8 @@
 """Scoring rollouts with the run's reward mix: overlapped with sampling, checked before a run.
 
 `RolloutScorer` is `rollout.sample_rollouts`' ``on_batch`` hook: rollout batch i is scored on one
-worker thread while the main thread samples batch i+1 (torch releases the GIL inside its
+worker thread while the main thread samples batch i+1 (without overlap: every batch after
+sampling) (torch releases the GIL inside its
 kernels, and a remote reward waits on a socket), so only the last batch's scoring is left once
 sampling ends. Scores do not depend on the overlap: each batch is scored whole, in order, by the
 same calls. `probe_reward` calls the rewards once on a small batch before a run starts;
@@ -20,13 +21,14 @@ from chunk_grpo.rewards.outputs import RewardError
 
 
 class RolloutScorer:
-    """Scores rollout batches as they come (on a worker thread with ``overlap``); `collect`
-    returns every reward's scores for all rows, in row order. Use as a context manager."""
+    """Scores rollout batches as they come on a worker thread (``overlap``), or all after
+    sampling; `collect` returns every reward's scores for all rows, in row order. Use as a
+    context manager."""
 
     def __init__(self, reward: RewardMix, overlap: bool = True):
         self.reward = reward
         self.executor = ThreadPoolExecutor(1, "reward") if overlap else None
-        self.parts: list[Future | dict[str, torch.Tensor]] = []
+        self.parts: list[Future | tuple[torch.Tensor, list[str]]] = []
         self.busy_seconds = 0.0  # time spent inside the reward calls
 
     def score_now(self, images: torch.Tensor, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -37,8 +39,8 @@ class RolloutScorer:
         return scores
 
     def __call__(self, images: torch.Tensor, prompts: list[str], index: int) -> None:
-        if self.executor is None:
-            self.parts.append(self.score_now(images, prompts))
+        if self.executor is None:  # scored in `collect`, after sampling
+            self.parts.append((images, prompts))
             return
         for part in self.parts:  # a failed batch stops the rollout now, not after sampling
             if isinstance(part, Future) and part.done() and part.exception() is not None:
@@ -47,7 +49,7 @@ class RolloutScorer:
 
     def collect(self) -> dict[str, torch.Tensor]:
         """Every reward's scores [rows], float32 CPU, by label (waits for the worker)."""
-        parts = [p.result() if isinstance(p, Future) else p for p in self.parts]
+        parts = [p.result() if isinstance(p, Future) else self.score_now(*p) for p in self.parts]
         if not parts:
             raise ValueError("no rollout batch was scored")
         return {label: parts[0][label] if len(parts) == 1 else torch.cat([p[label] for p in parts])
