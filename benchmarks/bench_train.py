@@ -11,6 +11,11 @@ a fresh process: resident memory above its level before the iteration (sampled e
 process that ran the other layout first would reuse freed memory), or the CUDA peak.
 The embedded model is used when it is installed, else a random model of the same architecture
 (speed does not depend on the weights).
+
+`test_reward_overlap` measures the reward phase with and without scoring each rollout batch
+while the next is sampled (`reward_overlap`), on 4 rollout batches of 8 rows: with a reward
+whose latency is not CPU work (a model on another device or a reward server; here a 10 ms per
+image sleep) and with the shapes reward (CPU work competing with the sampler for the cores).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from chunk_grpo import distributed as D
 from chunk_grpo.advantages import group_advantages
 from chunk_grpo.chunking import select_chunks
 from chunk_grpo.config import TrainConfig
+from chunk_grpo.rewards import register_reward
 from chunk_grpo.rollout import autocast_context, sde_steps
 from chunk_grpo.schedule import flux_sigmas
 from chunk_grpo.train import build_trainer, train_iteration
@@ -235,3 +241,56 @@ def test_speedup_at_least_3x():
     for phase in ("rollout", "reward", "train"):
         print(f"  {phase}: {dance[phase]:.2f} s -> {ours[phase]:.2f} s")
     assert ratio >= 3.0
+
+
+class SleepyReward:
+    """Mean brightness after 10 ms per image of waiting: a reward's latency that is not CPU
+    work here (a model on another device, a reward server)."""
+
+    def __call__(self, images, prompts):
+        time.sleep(0.01 * len(prompts))
+        return images.float().mean(dim=(1, 2, 3))
+
+
+register_reward("bench_sleepy")(SleepyReward)
+
+
+def _sample_and_score(tr, step: int) -> dict:
+    metrics, finite = train_iteration(tr, step)
+    assert finite
+    return {"rollout": metrics["time/rollout"], "reward": metrics["time/reward"],
+            "scoring": metrics["time/reward_scoring"],
+            "phase": metrics["time/rollout"] + metrics["time/reward"]}
+
+
+@pytest.mark.parametrize("reward", ["bench_sleepy", "shapes"])
+def test_reward_overlap(benchmark, model_dir, tmp_path, reward):
+    # The default config at half the prompts, in 4 rollout batches of 8 rows.
+    cfg = TrainConfig(model=str(model_dir), output_dir=str(tmp_path / "run"), progress=False,
+                      image_grid_every=0, reward=reward, prompts_per_step=4,
+                      rollout_batch_size=8, chunks="3").validate()
+    tr = build_trainer(cfg, tmp_path / "run", D.DistInfo())
+    _sample_and_score(tr, 0)  # warm-up
+    out = {}
+    tr.cfg.reward_overlap = False
+    out[False] = _sample_and_score(tr, 1)
+    tr.cfg.reward_overlap = True
+    benchmark.pedantic(lambda: out.update({True: _sample_and_score(tr, 2)}), rounds=1,
+                       iterations=1)
+    off, on = out[False], out[True]
+    # Within the overlapped iteration: the scoring time not spent waiting after sampling. The
+    # serial-vs-overlapped wall difference also counts the sampler's run-to-run noise, and any
+    # slow-down of the sampler by a reward that competes for the same cores.
+    hidden = on["scoring"] - on["reward"]
+    saved = off["phase"] - on["phase"]
+    benchmark.extra_info.update(
+        hidden_s=round(hidden, 3), saved_wall_s=round(saved, 3),
+        **{f"{k}_{'overlap' if o else 'serial'}_s": round(v, 3)
+           for o, d in out.items() for k, v in d.items()})
+    print(f"\n{reward}: serial: rollout {off['rollout']:.2f} s, then reward {off['reward']:.2f} s"
+          f" | overlapped: rollout {on['rollout']:.2f} s, scoring {on['scoring']:.2f} s of which "
+          f"{on['reward']:.2f} s waited for after sampling: {hidden:.2f} s "
+          f"({hidden / on['scoring']:.0%}) hidden | rollout+reward wall {off['phase']:.2f} -> "
+          f"{on['phase']:.2f} s")
+    if reward == "bench_sleepy":  # only the last of the 4 batches is left after sampling
+        assert on["reward"] <= 0.5 * on["scoring"]

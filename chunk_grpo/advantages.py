@@ -54,3 +54,23 @@ def multi_granularity_advantages(rewards: list[torch.Tensor], group_size: int, *
     if clip_max is not None:
         total = total.clamp(-clip_max, clip_max)
     return total
+
+
+def per_reward_advantages(rewards: list[tuple[float, torch.Tensor, torch.Tensor | None]],
+                          group_size: int, *, norm: str = "group", eps: float = 1e-4,
+                          clip_max: float | None = None) -> torch.Tensor:
+    """Advantages of a reward mix, each reward normalised on its own (Flow-GRPO's multi-reward):
+    sum_k w_k * A_k, with A_k the unclipped `group_advantages` of reward k, then clipped to
+    [-clip_max, clip_max].
+
+    rewards: (w_k, rewards_k [P * G], all_rewards_k gathered across ranks or None) per reward
+    (and, under G2RPO, per finish). A reward on a larger scale then weighs no more than
+    another: the weights alone set the mix.
+    """
+    if not rewards:
+        raise ValueError("rewards must hold at least one (weight, rewards, all_rewards) entry")
+    total = sum(weight * group_advantages(r, group_size, norm=norm, eps=eps, all_rewards=pool)
+                for weight, r, pool in rewards)
+    if clip_max is not None:
+        total = total.clamp(-clip_max, clip_max)
+    return total

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import difflib
 import math
+import re
 import sys
 import types
 import typing
@@ -22,6 +23,7 @@ from typing import Any
 import yaml
 
 from chunk_grpo.cli_args import OneLineArgumentParser, quiet_third_party
+from chunk_grpo.reward_spec import RewardSpecError, format_reward_spec, parse_reward_spec
 
 
 class ConfigError(ValueError):
@@ -61,7 +63,8 @@ def _one_line(err: BaseException) -> str:
 def run_cli(main: Callable[[], object], module: str) -> None:
     """The ``__main__`` of ``python -m module``: `run_command` with every error a command reports
     in one line (a bad configuration or input file, a model or reward that cannot be loaded, an
-    unknown reward, a damaged checkpoint, a locked run directory, a full disk)."""
+    unknown reward, a bad reward spec or output, a damaged checkpoint, a locked run directory,
+    a full disk)."""
     quiet_third_party("--verbose" in sys.argv[1:])
 
     run_command(main, f"python -m {module}", errors=_loaded_one_line_errors)
@@ -74,6 +77,8 @@ _ONE_LINE_ERRORS = (
     ("chunk_grpo.models.loading", "ModelLoadError"),
     ("chunk_grpo.rewards.registry", "UnknownRewardError"),
     ("chunk_grpo.rewards.registry", "RewardLoadError"),
+    ("chunk_grpo.reward_spec", "RewardSpecError"),
+    ("chunk_grpo.rewards.outputs", "RewardError"),
     ("chunk_grpo.checkpoint", "CheckpointError"),
     ("chunk_grpo.checkpoint", "DiskFullError"),
     ("chunk_grpo.run_lock", "RunLockedError"),
@@ -89,7 +94,11 @@ def _loaded_one_line_errors() -> tuple[type[Exception], ...]:
 class TrainConfig:
     # --- model, data, reward -------------------------------------------------------------
     model: str = "embedded"  # diffusers directory or hub id; "embedded" = shipped tiny FLUX
-    reward: str = "shapes"  # name in the reward registry
+    reward: str = "shapes"  # registered name, module:name, remote:URL, or a mix "a=1.0,b=0.5"
+    mix_advantage: str = "total"  # total (of the weighted sum) | per_reward (each normalised)
+    reward_device: str = ""  # "" = the trainer's device; rewards get bf16 on CUDA, fp32 on CPU
+    reward_batch_size: int = 0  # images per reward call; 0 = a whole rollout batch
+    reward_overlap: bool = True  # score rollout batch i while batch i+1 is sampled
     train_prompts: str = "shapes:rl"  # a prompt file, or shapes:rl / shapes:train / shapes:heldout
     eval_prompts: str = "shapes:heldout"
     output_dir: str = ""  # "" = runs/<timestamp>
@@ -184,6 +193,7 @@ class TrainConfig:
         _choice("sde_kind", self.sde_kind, ("flow", "dance", "cps", "cps_mse"))
         _choice("decode", self.decode, ("final", "x0"))
         _choice("adv_norm", self.adv_norm, ("group", "global", "none"))
+        _choice("mix_advantage", self.mix_advantage, ("total", "per_reward"))
         _choice("kl_ref", self.kl_ref, ("old", "reference"))
         _choice("optimizer", self.optimizer, ("adamw", "adamw8bit"))
         _choice("lr_schedule", self.lr_schedule, ("constant", "cosine"))
@@ -197,7 +207,8 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_steps", "grad_accum", "warmup_steps", "eval_every", "checkpoint_every",
-                     "image_grid_every", "lora_rank", "eval_hybrid_steps", "sde_window"):
+                     "image_grid_every", "lora_rank", "eval_hybrid_steps", "sde_window",
+                     "reward_batch_size"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.num_steps < 2:
@@ -236,6 +247,13 @@ class TrainConfig:
         from chunk_grpo.branching import GranularityError, parse_granularities
         from chunk_grpo.chunking import ChunkSpecError, parse_chunk_spec
 
+        try:
+            parse_reward_spec(self.reward)
+        except RewardSpecError as err:
+            raise ConfigError(f"reward: {err}") from None
+        if not re.fullmatch(r"|cpu|cuda(:\d+)?", self.reward_device):
+            raise ConfigError(f"reward_device must be '' (the trainer's device), cpu, cuda or "
+                              f"cuda:N; got {self.reward_device!r}")
         try:
             parse_chunk_spec(self.chunks, self.num_trained, self.chunk_size)
         except ChunkSpecError as err:
@@ -328,6 +346,8 @@ def coerce(key: str, value: Any) -> Any:
                 raise ValueError(value)
             return float(value)
         if typ is str:
+            if key == "reward" and isinstance(value, dict):  # YAML {pickscore: 1.0, clip: 0.5}
+                return format_reward_spec(parse_reward_spec(value))
             if isinstance(value, list):  # YAML `chunks: [2, 3, 4, 7]`
                 return ",".join(str(v) for v in value)
             return str(value)
@@ -335,6 +355,8 @@ def coerce(key: str, value: Any) -> Any:
             if isinstance(value, str):
                 value = [v.strip() for v in value.split(",") if v.strip()]
             return [str(v) for v in value]
+    except RewardSpecError as err:
+        raise ConfigError(f"{key}: {err}") from None
     except (TypeError, ValueError):
         pass
     raise ConfigError(f"{key} expects {getattr(typ, '__name__', typ)}, got {value!r}")

@@ -27,7 +27,7 @@ from chunk_grpo.config import ConfigError
 from chunk_grpo.metrics import reward_captions, save_image_grid
 from chunk_grpo.paired import SAMPLE_DECIMALS, paired_difference
 from chunk_grpo.prompts import PromptSet, check_prompts, load_prompt_set
-from chunk_grpo.rewards import Reward, get_reward
+from chunk_grpo.rewards import Reward, build_reward
 from chunk_grpo.rollout import generate
 from chunk_grpo.stats import best_of_k, mean_ci95
 
@@ -95,7 +95,7 @@ def evaluate_policy(
         raise ValueError("prompts must be a non-empty list of strings")
     if images_per_prompt < 1:
         raise ValueError(f"images_per_prompt must be >= 1, got {images_per_prompt}")
-    scorer = get_reward(reward) if isinstance(reward, str) else reward
+    scorer = build_reward(reward) if isinstance(reward, str) else reward
     defaults = getattr(policy, "defaults", None)
     num_steps = num_steps if num_steps is not None else getattr(defaults, "num_steps", 16)
     shift = shift if shift is not None else getattr(defaults, "shift", 3.0)
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> EvalResult:
     args = evaluate_parser().parse_args(argv)
     if args.hybrid_steps and args.hybrid_base is None:
         raise ConfigError("--hybrid-steps needs --hybrid-base (the base model for the rest)")
-    scorer = get_reward(args.reward)  # first: a misspelt reward fails before the model loads
+    scorer = build_reward(args.reward)  # first: a misspelt reward fails before the model loads
     _check_out(args.out)
     prompt_set = load_prompt_set(args.prompts)
     if args.max_prompts is not None:

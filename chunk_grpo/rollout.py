@@ -7,6 +7,7 @@ log-probs come from `grpo_kernels`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -129,7 +130,9 @@ def sample_rollouts(policy, prompts: list[str], *, group_size: int, num_steps: i
                     generator: torch.Generator | None = None, batch_size: int = 64,
                     shared_noise: bool = False, antithetic_noise: bool = False,
                     decode: str = "final",
-                    mixed_precision: str = "no", sde_window: int = 0) -> Rollout:
+                    mixed_precision: str = "no", sde_window: int = 0,
+                    on_batch: Callable[[torch.Tensor, list[str], int], None] | None = None
+                    ) -> Rollout:
     """G trajectories per prompt with the SDE sampler, keeping x_t for every t and the log-probs.
 
     ``sde_window`` k > 0 samples only the first k steps stochastically and the rest with the
@@ -142,7 +145,9 @@ def sample_rollouts(policy, prompts: list[str], *, group_size: int, num_steps: i
     the noise cancels within a pair. Needs an even group size.
 
     Rows are prompt-major (rows p*G .. p*G+G-1 belong to prompt p). The transformer sees
-    ``batch_size`` rows at a time; prompts are encoded once.
+    ``batch_size`` rows at a time; prompts are encoded once. ``on_batch(images, row_prompts,
+    index)`` is called with each batch's decoded images as soon as they exist (the trainer
+    scores them on another thread while the next batch is sampled); it must not modify them.
     """
     if kind not in SDE_KINDS:
         raise ValueError(f"kind must be one of {SDE_KINDS} for training rollouts, got {kind!r}")
@@ -177,6 +182,8 @@ def sample_rollouts(policy, prompts: list[str], *, group_size: int, num_steps: i
         all_latents.append(latents)
         all_logps.append(logps)
         images.append(policy.decode(x0 if decode == "x0" else x_final).float())
+        if on_batch is not None:
+            on_batch(images[-1], [prompts[i] for i in idx.tolist()], len(images) - 1)
     return Rollout(latents=torch.cat(all_latents), logps=torch.cat(all_logps), sigmas=sigmas,
                    prompt_index=prompt_index, prompts=list(prompts), images=torch.cat(images),
                    prompt_embeds=prompt_embeds)

@@ -6,8 +6,9 @@ With no arguments it fine-tunes the embedded tiny FLUX on the shapes reward on t
 One iteration, in the order it runs (`train_iteration`):
   1. sample prompts (rank-aware)
   2. group rollouts with the SDE sampler, storing every latent x_t and log-prob
-  3. decode and score the images
-  4. group-relative advantages
+  3. decode and score the images (each rollout batch while the next is sampled; a mix of
+     rewards gives each reward's scores and their weighted total)
+  4. group-relative advantages (of the total, or of each reward, then weighted and summed)
   5. choose the chunks to train (all, or a fraction drawn uniformly / by dynamics weight)
   6. train chunk by chunk (one batched transformer call per chunk and micro-batch), with
      optimizer steps every `grad_accum` calls
@@ -33,7 +34,7 @@ import torch
 from tqdm.auto import tqdm
 
 from chunk_grpo import distributed as D
-from chunk_grpo.advantages import multi_granularity_advantages
+from chunk_grpo.advantages import multi_granularity_advantages, per_reward_advantages
 from chunk_grpo.branching import parse_granularities, sample_branch_rollouts
 from chunk_grpo.checkpoint import (
     DiskFullError,
@@ -66,9 +67,12 @@ from chunk_grpo.precision import resolve_mixed_precision
 from chunk_grpo.profile import measure_dynamics, propose_chunks, save_profile
 from chunk_grpo.prompts import check_prompts, load_prompt_set, load_prompts
 from chunk_grpo.rewards import get_reward
+from chunk_grpo.rewards.mix import RewardMix, as_reward_mix
+from chunk_grpo.rewards.outputs import RewardError
 from chunk_grpo.rollout import sample_rollouts
 from chunk_grpo.run_lock import RunLock
 from chunk_grpo.schedule import dynamic_shift
+from chunk_grpo.scoring import RolloutScorer, constant_within_groups, probe_reward
 from chunk_grpo.stats import mean_ci95
 from chunk_grpo.summary import Comparison, before_after_grid, save_summary, summary_text
 
@@ -91,7 +95,7 @@ class Trainer:
     optimizer: torch.optim.Optimizer
     scheduler: object
     ema: EMA | None
-    reward_fn: object
+    reward_fn: RewardMix
     train_prompts: list[str]
     eval_prompts: list[str]
     layout: ChunkLayout
@@ -101,6 +105,7 @@ class Trainer:
     fidelity_fn: object = None  # a reward with `details` reported beside the trained one
     base_evals: dict = field(default_factory=dict)  # image count -> the base's EvalResult
     final_evals: dict = field(default_factory=dict)  # "eval"/"eval_hybrid" -> final EvalResult
+    warned_constant: set[str] = field(default_factory=set)  # rewards warned of as constant
 
     @property
     def shift(self) -> float:
@@ -139,41 +144,61 @@ def train_iteration(tr: Trainer, step: int) -> tuple[dict, bool]:
     gen = D.step_generator(cfg.seed, step, info.rank, "chunks")
     weights = tr.chunk_weights if cfg.weighted_chunks else None
     strides = parse_granularities(cfg.g2rpo_granularities) if cfg.algorithm == "g2rpo" else (1,)
-    with timer("rollout"):
-        rollout_gen = D.step_generator(cfg.seed, step, info.rank, "rollout")
-        common = dict(group_size=cfg.group_size, num_steps=cfg.num_steps, shift=tr.shift,
-                      kind=cfg.sde_kind, eta=cfg.eta, cfg_scale=tr.cfg_scale,
-                      generator=rollout_gen, batch_size=cfg.rollout_batch_size,
-                      antithetic_noise=cfg.antithetic_noise, decode=cfg.decode,
-                      mixed_precision=cfg.mixed_precision)
-        if cfg.algorithm == "g2rpo":
-            chunks = select_chunks(tr.layout.num_chunks, 1 / tr.layout.num_chunks,
-                                   weights=weights, generator=gen)
-            rollout, finishes = sample_branch_rollouts(
-                tr.policy, prompts, branch_step=chunks[0], granularities=strides, **common)
-        else:
-            rollout = sample_rollouts(tr.policy, prompts, shared_noise=cfg.shared_noise,
-                                      sde_window=cfg.sde_window, **common)
-            finishes = [rollout.images]
+    rollout_gen = D.step_generator(cfg.seed, step, info.rank, "rollout")
+    common = dict(group_size=cfg.group_size, num_steps=cfg.num_steps, shift=tr.shift,
+                  kind=cfg.sde_kind, eta=cfg.eta, cfg_scale=tr.cfg_scale,
+                  generator=rollout_gen, batch_size=cfg.rollout_batch_size,
+                  antithetic_noise=cfg.antithetic_noise, decode=cfg.decode,
+                  mixed_precision=cfg.mixed_precision)
+    with RolloutScorer(tr.reward_fn, overlap=cfg.reward_overlap) as scorer:
+        with timer("rollout"):
+            if cfg.algorithm == "g2rpo":
+                chunks = select_chunks(tr.layout.num_chunks, 1 / tr.layout.num_chunks,
+                                       weights=weights, generator=gen)
+                rollout, finishes = sample_branch_rollouts(
+                    tr.policy, prompts, branch_step=chunks[0], granularities=strides, **common)
+            else:  # 3. begins here: each batch is scored while the next is sampled
+                rollout = sample_rollouts(tr.policy, prompts, shared_noise=cfg.shared_noise,
+                                          sde_window=cfg.sde_window, on_batch=scorer, **common)
 
-    # 3. score the decoded images (every finish)
-    with timer("reward"):
+        # 3. score the decoded images (every finish): each reward's scores, and the total
         row_prompts = [prompts[i] for i in rollout.prompt_index.tolist()]
-        scores = [tr.reward_fn(images.cpu(), row_prompts).float().cpu() for images in finishes]
+        with timer("reward"):
+            if cfg.algorithm == "g2rpo":
+                components = [scorer.score_now(images, row_prompts) for images in finishes]
+            else:
+                components = [scorer.collect()]
+    scores = [tr.reward_fn.total(c) for c in components]
     gathered = [D.all_gather_cat(r.to(info.device), info).cpu() for r in scores]
+    gathered_parts = [{k: D.all_gather_cat(v.to(info.device), info).cpu() for k, v in c.items()}
+                      for c in components]
     all_rewards = gathered[0]
     metrics = {"reward_mean": float(all_rewards.mean()), "reward_std": float(all_rewards.std()),
                "lr": tr.optimizer.param_groups[0]["lr"]}
+    for label, r in gathered_parts[0].items():
+        metrics[f"reward/{label}_mean"] = float(r.mean())
+        metrics[f"reward/{label}_std"] = float(r.std())
     for stride, r in zip(strides[1:], gathered[1:], strict=True):
         metrics[f"reward_mean_stride{stride}"] = float(r.mean())
-    if not all(bool(torch.isfinite(r).all()) for r in gathered):
+    metrics["time/reward_scoring"] = scorer.busy_seconds
+    if not all(bool(torch.isfinite(r).all()) for r in
+               [*gathered, *(v for c in gathered_parts for v in c.values())]):
         metrics.update(timer.seconds, skipped=1, nonfinite="reward")
         return metrics, False
+    if info.is_main:
+        _warn_if_constant(tr, gathered_parts[0], step)
 
     # 4. group-relative advantages (G2RPO: summed over the finishes)
-    advantages = multi_granularity_advantages(scores, cfg.group_size, norm=cfg.adv_norm,
-                                              eps=cfg.adv_eps, clip_max=cfg.adv_clip_max,
-                                              all_rewards=gathered)
+    if cfg.mix_advantage == "per_reward":
+        terms = [(tr.reward_fn.weights[label], r, pool[label])
+                 for c, pool in zip(components, gathered_parts, strict=True)
+                 for label, r in c.items()]
+        advantages = per_reward_advantages(terms, cfg.group_size, norm=cfg.adv_norm,
+                                           eps=cfg.adv_eps, clip_max=cfg.adv_clip_max)
+    else:
+        advantages = multi_granularity_advantages(scores, cfg.group_size, norm=cfg.adv_norm,
+                                                  eps=cfg.adv_eps, clip_max=cfg.adv_clip_max,
+                                                  all_rewards=gathered)
     metrics.update(adv_mean=float(advantages.mean()), adv_std=float(advantages.std()),
                    adv_abs_max=float(advantages.abs().max()))
 
@@ -213,6 +238,20 @@ def train_iteration(tr: Trainer, step: int) -> tuple[dict, bool]:
 
 def _mean(values: list[float]) -> float:
     return float(sum(values) / len(values)) if values else float("nan")
+
+
+def _warn_if_constant(tr: Trainer, rewards: dict[str, torch.Tensor], step: int) -> None:
+    """Warn once per reward that scores every image of each group alike: its advantages are all
+    zero, so it gives no learning signal."""
+    for c in tr.reward_fn.components:
+        if c.label in tr.warned_constant or not constant_within_groups(rewards[c.label],
+                                                                       tr.cfg.group_size):
+            continue
+        tr.warned_constant.add(c.label)
+        tqdm.write(f"[chunk-grpo] warning: reward {c.name!r} gave the same score to every image "
+                   f"of each group at step {step + 1}: its advantages are all 0, so it gives no "
+                   f"learning signal. Check that it depends on the images (python -m "
+                   f"chunk_grpo.gradient_snr --reward {c.name})")
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -350,12 +389,27 @@ def _default_run_dir() -> Path:
     return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
 
 
-def resolve_reward(cfg: TrainConfig):
-    """The configured reward, or a ConfigError that says how to name one."""
+def resolve_reward(cfg: TrainConfig, device: torch.device | None = None) -> RewardMix:
+    """The configured reward (or mix) on ``reward_device`` (default: ``device``, the trainer's),
+    in bf16 on CUDA and fp32 elsewhere; or a ConfigError that says how to name one."""
+    from chunk_grpo.rewards import build_reward
+
+    where = torch.device(cfg.reward_device or device or "cpu")
+    dtype = torch.bfloat16 if where.type == "cuda" else torch.float32
     try:
-        return get_reward(cfg.reward)
+        return build_reward(cfg.reward, device=where, dtype=dtype,
+                            batch_size=cfg.reward_batch_size)
+    except RewardError:
+        raise
     except ValueError as err:
         raise ConfigError(f"reward: {err}") from err
+
+
+def check_reward(cfg: TrainConfig, reward: RewardMix, policy) -> None:
+    """Call the rewards once on a probe batch (2 images of the model's size, the first training
+    prompts): a reward that fails or returns the wrong thing stops here, before the run
+    directory exists, in one line."""
+    probe_reward(reward, policy.height, policy.width, _prompt_list(cfg.train_prompts))
 
 
 def load_checked_policy(cfg: TrainConfig, device: torch.device):
@@ -378,8 +432,8 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, info: D.DistInfo,
                   reward_fn=None, policy=None) -> Trainer:
     """Everything an iteration needs; ``reward_fn`` and ``policy`` are built from the config
     unless given."""
-    if reward_fn is None:
-        reward_fn = resolve_reward(cfg)
+    reward_fn = resolve_reward(cfg, info.device) if reward_fn is None else as_reward_mix(
+        reward_fn, cfg.reward)
     if policy is None:
         policy = load_checked_policy(cfg, info.device)
     if layout is None:
@@ -448,10 +502,12 @@ def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = F
     ``on_step_end(step, metrics)`` is called after every iteration (e.g. to stop early).
     """
     info = D.init_distributed(cfg.device)
-    # Before the run directory: a misspelt reward or a bad model path leaves nothing behind.
-    reward_fn = resolve_reward(cfg)
+    # Before the run directory: a misspelt or failing reward or a bad model path leaves nothing
+    # behind.
+    reward_fn = resolve_reward(cfg, info.device)
     policy = load_checked_policy(cfg, info.device)
     check_prompt_sets(cfg, policy, reward_fn)
+    check_reward(cfg, reward_fn, policy)
     run_dir = Path(run_dir or cfg.output_dir or _default_run_dir())
     lock = RunLock(run_dir)
     if info.is_main:
@@ -529,22 +585,26 @@ def _train_loop(tr: Trainer, start: int, bad_streak: int, on_step_end) -> None:
                disable=not (cfg.progress and info.is_main), desc="chunk-grpo")
     step = start
     for step in bar:
-        metrics, finite = train_iteration(tr, step)
-        bad_streak = 0 if finite else bad_streak + 1
-        done = step + 1 == cfg.max_steps or (
-            cfg.max_minutes > 0 and time.time() - t_start > 60 * cfg.max_minutes)
-        if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or done:
-            t = time.perf_counter()
-            metrics.update(evaluate(tr, step + 1, final=done))
-            metrics["time/eval"] = time.perf_counter() - t
+        try:
+            metrics, finite = train_iteration(tr, step)
+            bad_streak = 0 if finite else bad_streak + 1
+            done = step + 1 == cfg.max_steps or (
+                cfg.max_minutes > 0 and time.time() - t_start > 60 * cfg.max_minutes)
+            if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or done:
+                t = time.perf_counter()
+                metrics.update(evaluate(tr, step + 1, final=done))
+                metrics["time/eval"] = time.perf_counter() - t
+        except RewardError as err:  # one line on the command line, naming what is kept
+            raise type(err)(f"{err}; the run stopped at step {step + 1}, "
+                            f"{_kept_checkpoint(run_dir)}") from err
         if (step + 1) % cfg.log_every == 0 or done or not finite:
             tr.logger.log(step + 1, metrics)
         bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}")
         if bad_streak >= cfg.max_bad_steps:
             raise TrainingDiverged(
                 f"{bad_streak} iterations in a row had NaN/Inf rewards, losses or gradients "
-                f"(last at step {step + 1}); stopping. The last good checkpoint is kept in "
-                f"{run_dir / 'checkpoints'}; lower lr or clip ranges, or check the reward.")
+                f"(last at step {step + 1}); stopping, {_kept_checkpoint(run_dir)}; lower lr "
+                f"or clip ranges, or check the reward.")
         if finite and ((cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)
                        or done):
             state = _checkpoint_state(tr, bad_streak)
@@ -580,6 +640,14 @@ def _refuse_nonfinite(state: dict, step: int, run_dir: Path) -> None:
         raise TrainingDiverged(
             f"{len(bad)} trained tensor(s) (e.g. {bad[0]}) hold NaN/Inf at step {step}; they are "
             f"not saved and {kept}. Lower lr or max_grad_norm and resume or restart.")
+
+
+def _kept_checkpoint(run_dir: Path) -> str:
+    """Where the run can be resumed from, for the messages of a run that stops early."""
+    last = latest_checkpoint(run_dir)
+    if last is None:
+        return "and no checkpoint was written yet (nothing to resume)"
+    return f"its last checkpoint {last} is intact (resume with --resume {run_dir})"
 
 
 def export_final(tr: Trainer) -> Path:

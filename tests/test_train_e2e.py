@@ -20,14 +20,14 @@ from chunk_grpo.train import TrainingDiverged, build_trainer, evaluate, main, ru
 
 
 class NanAfterFirst:
-    """Finite rewards on the first call, NaN afterwards."""
+    """Finite rewards on the first two calls (the start-up probe, then step 1), NaN afterwards."""
 
     calls = 0
 
     def __call__(self, images, prompts):
         NanAfterFirst.calls += 1
         r = images.float().mean(dim=(1, 2, 3))
-        return r if NanAfterFirst.calls == 1 else r * float("nan")
+        return r if NanAfterFirst.calls <= 2 else r * float("nan")
 
 
 try:

@@ -2,7 +2,9 @@
 
 Your own reward needs no change to this package: register it in a module of yours and name it
 as "module:name" (e.g. `--reward my_rewards:redness`); `get_reward` imports the module first,
-which runs its `@register_reward` decorators.
+which runs its `@register_reward` decorators. "remote:URL" is the client of a reward server
+(`chunk_grpo.rewards.remote`), never a module. A weighted mix of rewards is built by
+`chunk_grpo.rewards.mix.build_reward`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ import torch
 
 
 class Reward(Protocol):
-    """Scores images against their prompts: images [B, 3, H, W] in [0, 1] -> float32 [B] (CPU)."""
+    """Scores images against their prompts: images [B, 3, H, W] in [0, 1] -> float32 [B] (CPU).
+
+    A list, tuple or numpy array of B numbers is accepted too (see `chunk_grpo.rewards.outputs`).
+    """
 
     def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor: ...
 
@@ -30,6 +35,7 @@ class RewardLoadError(ValueError):
 
 
 _FACTORIES: dict[str, Callable[..., Reward]] = {}
+REMOTE_PREFIX = "remote:"
 
 
 def register_reward(name: str) -> Callable[[Callable[..., Reward]], Callable[..., Reward]]:
@@ -66,15 +72,25 @@ def _import_reward_module(spec: str) -> str:
     return name
 
 
-def get_reward(name: str, **kwargs) -> Reward:
-    """A new instance of the reward registered as `name` (or "module:name", importing the
-    module first), built with `kwargs`."""
-    spec = name
-    if ":" in name:
-        name = _import_reward_module(name)
+def reward_factory(spec: str) -> tuple[Callable[..., Reward], dict]:
+    """(factory, keyword options it must get) of a reward spec: a registered name,
+    "module:name" (the module is imported first) or "remote:URL" (the reward server client)."""
+    if spec.startswith(REMOTE_PREFIX):
+        return _FACTORIES["remote"], {"url": spec[len(REMOTE_PREFIX):]}
+    name = _import_reward_module(spec) if ":" in spec else spec
     if name not in _FACTORIES:
+        if "=" in spec or "," in spec:
+            raise UnknownRewardError(f"reward {spec!r} is a mix: build it with "
+                                     f"chunk_grpo.rewards.build_reward, not get_reward")
         where = f" after importing {spec.partition(':')[0]!r}" if spec != name else ""
         raise UnknownRewardError(f"unknown reward {name!r}{where}; available: "
                                  f"{available_rewards()}. Register your own with "
                                  f"@register_reward('name') in a module and pass 'module:name'")
-    return _FACTORIES[name](**kwargs)
+    return _FACTORIES[name], {}
+
+
+def get_reward(name: str, **kwargs) -> Reward:
+    """A new instance of the reward registered as `name` (or "module:name", importing the
+    module first, or "remote:URL"), built with `kwargs`."""
+    factory, fixed = reward_factory(name)
+    return factory(**fixed, **kwargs)

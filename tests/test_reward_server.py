@@ -1,0 +1,240 @@
+"""The reward server and its client, on loopback only, with a real server process: the round
+trip gives the local reward's scores, concurrent requests are batched, a server that is down or
+silent is a quick clear error, and a run whose reward server dies stops in one line with an
+intact, resumable checkpoint."""
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from trainer_utils import tiny_config, tiny_model_dir
+
+from chunk_grpo.checkpoint import latest_checkpoint
+from chunk_grpo.config import ConfigError, build_config, run_command
+from chunk_grpo.metrics import read_metrics
+from chunk_grpo.reward_server import serve
+from chunk_grpo.rewards import RemoteReward, RewardUnavailableError, build_reward
+from chunk_grpo.rewards.outputs import RewardOutputError
+from chunk_grpo.rewards.remote import decode_score_request, encode_score_request
+from chunk_grpo.train import run
+
+REPO = Path(__file__).resolve().parent.parent
+MODULE = '''
+import time
+
+from chunk_grpo.rewards import register_reward
+
+
+@register_reward("bright")
+def bright():
+    return lambda images, prompts: images.float().mean(dim=(1, 2, 3))
+
+
+@register_reward("slow_red")
+def slow_red():
+    def score(images, prompts):
+        time.sleep(0.3)  # a slow model: requests pile up meanwhile
+        return images[:, 0].mean((1, 2)) - images[:, 1:].mean((1, 2, 3))
+    return score
+
+
+@register_reward("broken")
+def broken():
+    def score(images, prompts):
+        raise RuntimeError("weights not loaded")
+    return score
+'''
+SPEC = "srv_rewards:bright=1.0,srv_rewards:slow_red=0.5"
+
+
+class Server:
+    """``python -m chunk_grpo.reward_server`` on a free loopback port, stopped by `stop`."""
+
+    def __init__(self, spec: str, root: Path, *extra: str):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(root)]),
+                   OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "chunk_grpo.reward_server", "--reward", spec, "--port", "0",
+             "--max-batch", "16", "--batch-wait-ms", "50", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        line = []
+        reader = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()),
+                                  daemon=True)
+        reader.start()
+        reader.join(timeout=120)  # imports torch: slow on a loaded machine, never unbounded
+        if not line or "serving" not in line[0]:
+            self.stop()
+            raise RuntimeError(f"reward server did not start: {line} {self.proc.stderr.read()}")
+        self.url = line[0].split(" on ")[1].strip()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+def _write_module(root: Path) -> None:
+    (root / "srv_rewards.py").write_text(MODULE)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("server")
+    _write_module(root)
+    sys.path.insert(0, str(root))  # the local reference imports the same module
+    server = Server(SPEC, root)
+    yield server
+    server.stop()
+    sys.path.remove(str(root))
+
+
+def _images(n: int, seed: int, size: int = 8) -> torch.Tensor:
+    """Images on the 8-bit grid the wire carries, so both sides see the same pixels."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, 3, size, size), generator=gen).float() / 255
+
+
+def test_wire_format_round_trips():
+    images = _images(3, 0)
+    back, prompts = decode_score_request(encode_score_request(images, ["a", "b", "c"]))
+    assert torch.equal(back, images) and prompts == ["a", "b", "c"]
+    with pytest.raises(ValueError, match="expected 576 pixel bytes"):
+        decode_score_request(encode_score_request(images, ["a", "b", "c"])[:-1])
+
+
+def test_round_trip_equals_the_local_reward(served):
+    remote = RemoteReward(served.url)
+    assert remote.health()["reward"] == SPEC
+    images, prompts = _images(5, 1), ["p"] * 5
+    local = build_reward(SPEC)(images, prompts)
+    torch.testing.assert_close(remote(images, prompts), local, rtol=0, atol=0)
+    # Through the trainer's path: "remote:URL" in a spec, mixed with a local reward.
+    mix = build_reward(f"remote:{served.url}=2.0,srv_rewards:bright=1.0")
+    torch.testing.assert_close(mix(images, prompts), 2 * local + build_reward(
+        "srv_rewards:bright")(images, prompts))
+
+
+def test_concurrent_requests_are_batched(served):
+    remote = RemoteReward(served.url)
+    before = remote.health()
+    results, requests = {}, 6
+    threads = [threading.Thread(target=lambda i=i: results.update({i: remote(
+        _images(2, 10 + i), ["p", "q"])})) for i in range(requests)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    after = remote.health()
+    assert after["requests"] - before["requests"] == requests
+    assert after["images"] - before["images"] == 2 * requests
+    assert after["calls"] - before["calls"] < requests  # several requests per reward call
+    local = build_reward(SPEC)
+    for i in range(requests):  # each request got its own rows back
+        torch.testing.assert_close(results[i], local(_images(2, 10 + i), ["p", "q"]))
+
+
+class InProcessServer:
+    """The same server (`reward_server.serve`) on a thread of this process: no start-up cost."""
+
+    def __init__(self, spec: str):
+        self.server, self.scorer = serve(spec, "127.0.0.1", 0, max_batch=16)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.scorer.stop()
+
+
+def test_a_reward_failing_on_the_server_is_named_at_once(served):
+    server = InProcessServer("srv_rewards:broken")
+    try:
+        start = time.monotonic()
+        with pytest.raises(RewardOutputError, match="answered HTTP 500: reward "
+                                                    "'srv_rewards:broken' raised RuntimeError"):
+            RemoteReward(server.url, backoff=5.0)(_images(1, 0), ["p"])
+        assert time.monotonic() - start < 5  # not retried: the answer would be the same
+    finally:
+        server.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_server_that_is_down_is_a_quick_clear_error():
+    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    start = time.monotonic()
+    with pytest.raises(RewardUnavailableError) as err:
+        RemoteReward(url, retries=2, backoff=0.05)(_images(1, 0), ["p"])
+    assert time.monotonic() - start < 5
+    message = str(err.value)
+    assert message.startswith(f"reward server {url} did not answer /score after 3 attempts")
+    assert "python -m chunk_grpo.reward_server --reward NAME" in message
+
+
+def test_a_server_that_never_answers_times_out():
+    with socket.socket() as silent:  # accepts connections (backlog) but never replies
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        start = time.monotonic()
+        with pytest.raises(RewardUnavailableError, match="timed out"):
+            RemoteReward(url, read_timeout=0.3, retries=1, backoff=0.0)(_images(1, 0), ["p"])
+        assert time.monotonic() - start < 5
+
+
+def test_bad_server_urls_are_config_errors():
+    for spec in ("remote:localhost:8000", "remote:http://127.0.0.1"):
+        with pytest.raises(ConfigError, match="remote:http://HOST:PORT"):
+            build_config(None, {"reward": spec})
+
+
+@pytest.mark.slow
+def test_a_run_whose_reward_server_dies_stops_with_an_intact_checkpoint(tmp_path, capsys):
+    _write_module(tmp_path)
+    server = Server("srv_rewards:bright", tmp_path)
+    model = tiny_model_dir(tmp_path)
+    cfg = tiny_config(model, tmp_path / "run", reward=f"remote:{server.url}", max_steps=3,
+                      checkpoint_every=1)
+
+    def kill_after_first_step(step, metrics):
+        if step == 1:
+            server.stop()
+
+    try:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as stop:
+            run_command(lambda: run(cfg, on_step_end=kill_after_first_step), "prog",
+                        errors=(RewardUnavailableError,))
+    finally:
+        server.stop()
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("prog: error:") == 1
+    line = err.splitlines()[-1]
+    kept = tmp_path / "run" / "checkpoints" / "step-00000001"
+    assert line.startswith(f"prog: error: reward server {server.url} did not answer /score")
+    assert f"the run stopped at step 2, its last checkpoint {kept} is intact" in line
+    assert latest_checkpoint(tmp_path / "run") == kept
+    # The reward is back (on another port): the run resumes from that checkpoint and finishes.
+    sys.path.insert(0, str(tmp_path))
+    again = InProcessServer("srv_rewards:bright")
+    try:
+        resumed = tiny_config(model, tmp_path / "run", reward=f"remote:{again.url}",
+                              max_steps=3, checkpoint_every=1)
+        run(resumed, run_dir=tmp_path / "run", resume=True)
+    finally:
+        again.stop()
+        sys.path.remove(str(tmp_path))
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
+    assert latest_checkpoint(tmp_path / "run").name == "step-00000003"
