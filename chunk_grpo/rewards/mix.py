@@ -66,6 +66,14 @@ class RewardMix:
     def weights(self) -> dict[str, float]:
         return {c.label: c.weight for c in self.components}
 
+    def check_prompts(self, prompts: list[str]) -> None:
+        """Run the prompts through every component that can check them (e.g. the shapes
+        grammar): a ValueError names the first a reward cannot score."""
+        for c in self.components:
+            checker = getattr(c.reward, "check_prompts", None)
+            if checker is not None:
+                checker(prompts)
+
     def _slices(self, n: int) -> list[slice]:
         step = self.batch_size or max(n, 1)
         return [slice(i, i + step) for i in range(0, n, step)] or [slice(0, 0)]
