@@ -94,7 +94,7 @@ def _loaded_one_line_errors() -> tuple[type[Exception], ...]:
 class TrainConfig:
     # --- model, data, reward -------------------------------------------------------------
     model: str = "embedded"  # diffusers directory or hub id; "embedded" = shipped tiny FLUX
-    reward: str = "shapes"  # registered name, module:name, remote:URL, or a mix "a=1.0,b=0.5"
+    reward: str = "jpeg_compressibility"  # registered name, module:name, remote:URL, or a mix "a=1.0,b=0.5"
     mix_advantage: str = "total"  # total (of the weighted sum) | per_reward (each normalised)
     reward_device: str = ""  # "" = the trainer's device; rewards get bf16 on CUDA, fp32 on CPU
     reward_batch_size: int = 0  # images per reward call; 0 = a whole rollout batch
@@ -144,7 +144,7 @@ class TrainConfig:
 
     # --- optimisation ---------------------------------------------------------------------
     max_steps: int = 400  # training iterations (rollout + update)
-    max_minutes: float = 27.0  # stop after this much training wall time (0 = no limit)
+    max_minutes: float = 10.0  # stop after this much training wall time (0 = no limit)
     micro_batch_size: int = 8  # samples per training call (call batch = chunk size x this)
     grad_accum: int = 0  # training calls per optimizer step (0 = all of an iteration)
     ppo_epochs: int = 1  # passes over each batch of rollouts
