@@ -66,25 +66,21 @@ def _number(kind: type, text: str) -> float | int:
     return value
 
 
-def positive_int(text: str) -> int:
-    value = _number(int, text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an int >= ``low``."""
+
+    def parse(text: str) -> int:
+        value = _number(int, text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
 
 
-def nonnegative_int(text: str) -> int:
-    value = _number(int, text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def at_least_two(text: str) -> int:
-    value = _number(int, text)
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"must be >= 2, got {value}")
-    return value
+positive_int = int_at_least(1)
+nonnegative_int = int_at_least(0)
+at_least_two = int_at_least(2)
 
 
 def finite_float(text: str) -> float:

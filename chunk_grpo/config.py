@@ -94,7 +94,8 @@ def _loaded_one_line_errors() -> tuple[type[Exception], ...]:
 class TrainConfig:
     # --- model, data, reward -------------------------------------------------------------
     model: str = "embedded"  # diffusers directory or hub id; "embedded" = shipped tiny FLUX
-    reward: str = "jpeg_compressibility"  # registered name, module:name, remote:URL, or a mix "a=1.0,b=0.5"
+    # a registered name, module:name, remote:URL, or a mix "a=1.0,b=0.5"
+    reward: str = "jpeg_compressibility"
     mix_advantage: str = "total"  # total (of the weighted sum) | per_reward (each normalised)
     reward_device: str = ""  # "" = the trainer's device; rewards get bf16 on CUDA, fp32 on CPU
     reward_batch_size: int = 0  # images per reward call; 0 = a whole rollout batch
