@@ -97,6 +97,7 @@ def build_models(root: Path) -> dict[str, dict]:
         "hpsv2": {"model": str(root / HPSV21_FILE), "processor": str(processor),
                   "heads": [2, 2]},
         "shapes": {},
+        "shapes-clip": {},  # the shipped checkpoint itself (0.55M parameters)
     }
 
 
