@@ -65,7 +65,7 @@ from chunk_grpo.policy_setup import (
 from chunk_grpo.policy_update import optimizer_step_after, plan_units, update_policy
 from chunk_grpo.precision import resolve_mixed_precision
 from chunk_grpo.profile import measure_dynamics, propose_chunks, save_profile
-from chunk_grpo.prompts import check_prompts, load_prompt_set, load_prompts
+from chunk_grpo.prompts import PromptSet, check_prompts, load_prompt_set, load_prompts
 from chunk_grpo.rewards import get_reward
 from chunk_grpo.rewards.mix import RewardMix, as_reward_mix
 from chunk_grpo.rewards.outputs import RewardError
@@ -321,12 +321,23 @@ def _prompt_list(spec: str) -> list[str]:
     return load_prompts(spec)
 
 
-def check_prompt_sets(cfg: TrainConfig, policy, reward_fn) -> None:
-    """Read, decode and check both prompt sets before the run directory exists: a prompt the
-    tokenizers or the reward cannot take fails now, not at the final evaluation."""
+def read_prompt_sets(cfg: TrainConfig) -> dict[str, PromptSet]:
+    """Read and decode both prompt sets: the first thing a run checks, before any model loads,
+    so a missing or unreadable file is reported at once."""
+    sets = {}
     for key in ("train_prompts", "eval_prompts"):
         try:
-            prompt_set = load_prompt_set(getattr(cfg, key))
+            sets[key] = load_prompt_set(getattr(cfg, key))
+        except ConfigError as err:
+            raise ConfigError(f"{key}: {err}") from None
+    return sets
+
+
+def check_prompt_sets(prompt_sets: dict[str, PromptSet], policy, reward_fn) -> None:
+    """Run both prompt sets through the tokenizers and the reward before the run directory
+    exists: a prompt they cannot take fails now, not at the final evaluation."""
+    for key, prompt_set in prompt_sets.items():
+        try:
             notes = check_prompts(prompt_set, policy, reward_fn)
         except ConfigError as err:
             raise ConfigError(f"{key}: {err}") from None
@@ -501,12 +512,13 @@ def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = F
 
     ``on_step_end(step, metrics)`` is called after every iteration (e.g. to stop early).
     """
+    # Before the run directory: a bad prompt file, a misspelt or failing reward or a bad model
+    # path leaves nothing behind.
+    prompt_sets = read_prompt_sets(cfg)
     info = D.init_distributed(cfg.device)
-    # Before the run directory: a misspelt or failing reward or a bad model path leaves nothing
-    # behind.
     reward_fn = resolve_reward(cfg, info.device)
     policy = load_checked_policy(cfg, info.device)
-    check_prompt_sets(cfg, policy, reward_fn)
+    check_prompt_sets(prompt_sets, policy, reward_fn)
     check_reward(cfg, reward_fn, policy)
     run_dir = Path(run_dir or cfg.output_dir or _default_run_dir())
     lock = RunLock(run_dir)
