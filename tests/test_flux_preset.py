@@ -20,7 +20,6 @@ from hpsv3_tiny import save_tiny_hpsv3
 
 from chunk_grpo.checkpoint import latest_checkpoint
 from chunk_grpo.metrics import read_metrics
-from chunk_grpo.models import FluxPolicy
 from chunk_grpo.models.sampling_defaults import CONFIG_NAME
 from chunk_grpo.models.tiny import build_tiny_flux_pipeline
 
@@ -121,9 +120,12 @@ def test_flux_dev_preset_runs_one_iteration_on_cpu(tmp_path):
     for key in ("reward_mean", "loss", "grad_norm"):
         assert math.isfinite(records[0][key]), (key, records[0][key])
     assert latest_checkpoint(out) is not None
-    exported = FluxPolicy.from_pretrained(out / "final_model")
-    assert exported.transformer.config.guidance_embeds
-    assert exported.transformer.config.in_channels == 64
+    exported = json.loads((out / "final_model" / "transformer" / "config.json").read_text())
+    assert exported["guidance_embeds"] and exported["in_channels"] == 64
+    vae = json.loads((out / "final_model" / "vae" / "config.json").read_text())
+    assert (vae["latent_channels"], vae["scaling_factor"], vae["shift_factor"]) == \
+        (16, 0.3611, 0.1159)
+    assert (out / "final_model" / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval"]["n"] == 2
     assert "paired gain" in (out / "summary.txt").read_text()
