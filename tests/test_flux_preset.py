@@ -80,8 +80,11 @@ def preset_overrides(tmp_path: Path, model: Path, reward: str, out: Path) -> lis
         "--device", "cpu",  # the preset says cuda
         "--height", "64", "--width", "64",  # 720x720 is minutes per image on a CPU
         "--max-steps", "1",  # one iteration (the preset: 150)
-        "--group-size", "4", "--rollout-batch-size", "4",  # 12 per group: 3x the rollouts
-        "--micro-batch-size", "4", "--grad-accum", "2",  # one optimizer step of this iteration
+        "--group-size", "4",  # the preset's 12 triples the rollouts and the training calls
+        # The preset's 2 optimizer steps per iteration at 8 rollouts instead of 24: (8 / 4
+        # micro-batches) x 2 trained chunks = 4 training calls, a step every 2 (the preset:
+        # (24 / 2) x 2 = 24 calls, a step every 12).
+        "--micro-batch-size", "4", "--grad-accum", "2",
         "--eval-images", "2", "--final-eval-images", "2",  # the preset's 400 each
         "--progress", "false",
     ]
@@ -108,7 +111,8 @@ def test_flux_dev_preset_runs_one_iteration_on_cpu(tmp_path):
     # The preset's settings reached the run, the overrides only where given.
     saved = yaml.safe_load((out / "config.yaml").read_text())
     preset = yaml.safe_load(PRESET.read_text())
-    for key in ("num_steps", "shift", "dynamic_shift", "sde_kind", "eta", "cfg_scale",
+    for key in ("num_steps", "rollout_batch_size", "shift", "dynamic_shift", "sde_kind", "eta",
+                "cfg_scale",
                 "prompts_per_step", "sde_window", "chunks", "chunk_fraction", "weighted_chunks",
                 "clip_low", "clip_high", "lr", "max_grad_norm", "lora_rank",
                 "gradient_checkpointing", "mixed_precision", "eval_hybrid_steps"):
@@ -117,6 +121,7 @@ def test_flux_dev_preset_runs_one_iteration_on_cpu(tmp_path):
 
     records = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in records] == [1]
+    assert records[0]["optimizer_steps"] == 2
     for key in ("reward_mean", "loss", "grad_norm"):
         assert math.isfinite(records[0][key]), (key, records[0][key])
     assert latest_checkpoint(out) is not None
