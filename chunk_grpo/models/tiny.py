@@ -48,9 +48,13 @@ class TinyFluxSizes:
     vae_layers_per_block: int = 1
     vae_norm_num_groups: int = 16
     latent_channels: int = 4
+    vae_scaling_factor: float = 1.0  # FLUX.1-dev's VAE: 0.3611
+    vae_shift_factor: float = 0.0  # FLUX.1-dev's VAE: 0.1159
+    vae_mid_block_attention: bool = False  # FLUX.1-dev's VAE has one
     t5_d_model: int = 64
     t5_layers: int = 1
     t5_heads: int = 4
+    t5_d_kv: int = 0  # per-head width; 0 = t5_d_model // t5_heads (a wide d_model stays cheap)
     t5_d_ff: int = 128
     clip_hidden: int = 64
     clip_layers: int = 1
@@ -163,7 +167,7 @@ def build_tiny_flux_pipeline(vocabulary: list[str], *, seed: int = 0, **sizes) -
     t5_config = T5Config(
         vocab_size=len(tokenizer_2),
         d_model=s.t5_d_model,
-        d_kv=s.t5_d_model // s.t5_heads,
+        d_kv=s.t5_d_kv or s.t5_d_model // s.t5_heads,
         d_ff=s.t5_d_ff,
         num_layers=s.t5_layers,
         num_heads=s.t5_heads,
@@ -187,11 +191,11 @@ def build_tiny_flux_pipeline(vocabulary: list[str], *, seed: int = 0, **sizes) -
         latent_channels=s.latent_channels,
         norm_num_groups=s.vae_norm_num_groups,
         sample_size=64,
-        scaling_factor=1.0,
-        shift_factor=0.0,
+        scaling_factor=s.vae_scaling_factor,
+        shift_factor=s.vae_shift_factor,
         use_quant_conv=False,
         use_post_quant_conv=False,
-        mid_block_add_attention=False,
+        mid_block_add_attention=s.vae_mid_block_attention,
     )
 
     transformer = FluxTransformer2DModel(
