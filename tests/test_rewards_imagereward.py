@@ -23,7 +23,10 @@ from transformers import (
 from chunk_grpo.rewards import RewardLoadError, get_reward
 from chunk_grpo.rewards.imagereward import (
     CHECKPOINT_FILE,
+    MAX_LENGTH,
     MED_CONFIG_FILE,
+    REWARD_MEAN,
+    REWARD_STD,
     imagereward_preprocess,
 )
 
@@ -69,7 +72,8 @@ def tiny_blip(vocab_size: int, seed: int = 0):
     text = BlipTextModel(BlipTextConfig(
         vocab_size=vocab_size, hidden_size=TEXT_WIDTH, encoder_hidden_size=VISION_WIDTH,
         intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=40, is_decoder=True), add_pooling_layer=False).eval()
+        max_position_embeddings=40, is_decoder=True, bos_token_id=None, sep_token_id=None),
+        add_pooling_layer=False).eval()
     head = nn.Sequential(nn.Linear(TEXT_WIDTH, 1024), nn.Dropout(0.2), nn.Linear(1024, 128),
                          nn.Dropout(0.2), nn.Linear(128, 64), nn.Dropout(0.1),
                          nn.Linear(64, 16), nn.Linear(16, 1)).eval()
@@ -162,6 +166,8 @@ def test_scores_equal_the_original_modules(tiny_ir):
     expected = _reference(vision, text, head, tokenizer_dir, images, PROMPTS)
     assert scores.dtype == torch.float32 and scores.shape == (len(PROMPTS),)
     torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5)
+    assert reward.vision.config.layer_norm_eps == 1e-6  # BLIP's ViT; med's BERT: 1e-12
+    assert reward.text.config.layer_norm_eps == 1e-12
     assert scores.std() > 0.1  # the random model separates the images: a meaningful comparison
     # The prompt matters (cross-attention and text path), and so does the image.
     other_prompt = reward(images[:1], ["two green triangles"])
@@ -193,6 +199,9 @@ def test_preprocessing_constants_are_the_published_ones():
     assert preprocess.mode == "bicubic"
     assert preprocess.mean == (0.48145466, 0.4578275, 0.40821073)
     assert preprocess.std == (0.26862954, 0.26130258, 0.27577711)
+    # The authors' score normalisation and prompt length (ImageReward.py).
+    assert (REWARD_MEAN, REWARD_STD) == (0.16717362830052426, 1.0333394966054072)
+    assert MAX_LENGTH == 35
 
 
 def _one_line_error(match, **kwargs):

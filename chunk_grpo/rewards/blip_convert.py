@@ -166,6 +166,7 @@ def text_config_from_med(med: dict, text: dict[str, torch.Tensor]):
         max_position_embeddings=max_positions, hidden_act=med.get("hidden_act", "gelu"),
         layer_norm_eps=float(med.get("layer_norm_eps", 1e-12)), hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0, pad_token_id=int(med.get("pad_token_id", 0)),
+        bos_token_id=None, eos_token_id=None, sep_token_id=None,  # no generation here
         is_decoder=True)  # is_decoder builds the crossattention layers; forward passes False
 
 
