@@ -5,6 +5,7 @@ from chunk_grpo.rewards.aesthetic import AestheticScore  # registers "aesthetic"
 from chunk_grpo.rewards.clip_score import ClipScore  # registers "clip"
 from chunk_grpo.rewards.hpsv2 import HPSv2Score  # registers "hpsv2"
 from chunk_grpo.rewards.hpsv3 import HPSv3Reward  # registers "hpsv3"
+from chunk_grpo.rewards.imagereward import ImageRewardScore  # registers "imagereward"
 from chunk_grpo.rewards.jpeg import JpegCompressibility, JpegIncompressibility  # registers both
 from chunk_grpo.rewards.mix import RewardMix, build_reward
 from chunk_grpo.rewards.outputs import RewardError, RewardOutputError, RewardUnavailableError
@@ -21,6 +22,7 @@ from chunk_grpo.rewards.shapes_clip import SHAPES_CLIP_DIR, shapes_clip  # regis
 from chunk_grpo.rewards.shapes_reward import ShapesReward  # registers "shapes"
 
 __all__ = ["SHAPES_CLIP_DIR", "AestheticScore", "ClipScore", "HPSv2Score", "HPSv3Reward",
+           "ImageRewardScore",
            "JpegCompressibility", "JpegIncompressibility", "PickScore", "RemoteReward", "Reward",
            "RewardError", "RewardLoadError", "RewardMix", "RewardOutputError",
            "RewardUnavailableError", "ShapesReward", "available_rewards", "build_reward",
