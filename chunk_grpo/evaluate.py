@@ -27,7 +27,7 @@ from chunk_grpo.config import ConfigError
 from chunk_grpo.metrics import reward_captions, save_image_grid
 from chunk_grpo.paired import SAMPLE_DECIMALS, paired_difference
 from chunk_grpo.prompts import PromptSet, check_prompts, load_prompt_set
-from chunk_grpo.rewards import Reward, build_reward
+from chunk_grpo.rewards import Reward, build_reward, get_reward
 from chunk_grpo.rollout import generate
 from chunk_grpo.stats import best_of_k, mean_ci95
 
@@ -123,9 +123,11 @@ def evaluate_policy(
     else:
         rewards = scorer(images, all_prompts)
         details = {}
-        if fidelity is not None and hasattr(fidelity, "details"):
-            details = fidelity.details(images, all_prompts)
-            details["fidelity_score"] = details.pop("score")
+    if fidelity is not None and hasattr(fidelity, "details"):
+        checks = fidelity.details(images, all_prompts)
+        checks["fidelity_score"] = checks.pop("score")
+        if not set(checks) - {"fidelity_score"} <= set(details):  # not the trained reward's own
+            details.update(checks)
     attributes = {key: _nan_mean(values) for key, values in details.items()}
     rewards = torch.as_tensor(rewards).float().cpu()
     mean, ci = mean_ci95(rewards)
@@ -211,6 +213,8 @@ def main(argv: list[str] | None = None) -> EvalResult:
         hybrid_base=base,
         hybrid_steps=args.hybrid_steps,
         progress=not args.quiet,
+        # On shapes prompts, the shapes world's checks beside whatever reward scores.
+        fidelity=get_reward("shapes") if args.prompts.startswith("shapes:") else None,
     )
     settings = {k: v for k, v in vars(args).items()
                 if k not in ("out", "steps", "compare", "quiet", "verbose", "height", "width")}

@@ -9,7 +9,7 @@ from chunk_grpo.evaluate import evaluate_policy, main, mean_ci95
 from chunk_grpo.metrics import captioned_grid
 from chunk_grpo.models import FluxPolicy
 from chunk_grpo.models.tiny import save_tiny_flux
-from chunk_grpo.rewards import get_reward
+from chunk_grpo.rewards import build_reward, get_reward
 from chunk_grpo.shapes import HELDOUT_PROMPTS_FILE, VOCABULARY, load_prompts
 
 PROMPTS = load_prompts(HELDOUT_PROMPTS_FILE)[:3]
@@ -189,3 +189,11 @@ def test_fidelity_checks_are_reported_beside_a_reward_without_details(policy):
     assert res.attributes["colour_acc"] == pytest.approx(float(expected["colour_acc"].mean()))
     plain = evaluate_policy(policy, PROMPTS, reward=brightness, num_steps=2, seed=3)
     assert plain.attributes == {}
+    # A configured reward is a RewardMix, which has `details` of its own: the checks join them.
+    mixed = evaluate_policy(policy, PROMPTS, reward=build_reward("jpeg_compressibility"),
+                            fidelity=shapes, num_steps=2, seed=3)
+    assert mixed.attributes["colour_acc"] == pytest.approx(float(expected["colour_acc"].mean()))
+    # The shapes reward itself already reports its checks: nothing is added.
+    own = evaluate_policy(policy, PROMPTS, reward=build_reward("shapes"), fidelity=shapes,
+                          num_steps=2, seed=3)
+    assert "fidelity_score" not in own.attributes and "colour_acc" in own.attributes
