@@ -68,6 +68,8 @@ def test_cli_two_steps_auto_chunks_and_export(tmp_path):
     assert summary["eval"]["after"] == pytest.approx(final["eval/reward_mean"], abs=1e-9)
     text = (out / "summary.txt").read_text()
     assert "paired gain" in text and str(out / "final_model") in text and "--resume" in text
+    # Held-out shapes prompts: the shapes checks stand beside the trained (brightness) reward.
+    assert "shapes checks: colour" in text and "colour_acc" in summary["eval"]["attributes_after"]
     assert (out / "images" / "before_after.png").exists()
     state = torch.load(latest_checkpoint(out) / "state.pt", weights_only=False)
     assert state["chunk_layout"] == profile["chunks"]
