@@ -19,34 +19,17 @@ import os
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from chunk_grpo.rewards.clip_common import load_clip_encoder
 from chunk_grpo.rewards.model_files import first_line, resolve_model_dir, reward_inputs
 from chunk_grpo.rewards.registry import RewardLoadError, register_reward
+from chunk_grpo.rewards.score_mlp import ScoreMLP
 
 AESTHETIC_CLIP = "openai/clip-vit-large-patch14"
 AESTHETIC_HEAD = "sac+logos+ava1-l14-linearMSE.pth"
-HIDDEN_SIZES = (1024, 128, 64, 16)
-DROPOUTS = (0.2, 0.2, 0.1)  # after the first three Linear layers (inactive: eval mode)
 
 
-class AestheticHead(nn.Module):
-    """The published MLP; `input_size` is the CLIP projection width (768 for ViT-L/14)."""
-
-    def __init__(self, input_size: int = 768):
-        super().__init__()
-        sizes = (input_size, *HIDDEN_SIZES)
-        layers: list[nn.Module] = []
-        for i in range(len(HIDDEN_SIZES)):
-            layers.append(nn.Linear(sizes[i], sizes[i + 1]))
-            if i < len(DROPOUTS):
-                layers.append(nn.Dropout(DROPOUTS[i]))
-        layers.append(nn.Linear(HIDDEN_SIZES[-1], 1))
-        self.layers = nn.Sequential(*layers)
-
-    def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
-        return self.layers(embeddings)
+AestheticHead = ScoreMLP  # The LAION aesthetic head: the shared published MLP (`score_mlp`)
 
 
 def load_aesthetic_head(path: Path, input_size: int) -> AestheticHead:

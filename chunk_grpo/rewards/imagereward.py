@@ -29,7 +29,6 @@ import os
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from chunk_grpo.rewards.blip_convert import (
     BlipConversionError,
@@ -47,6 +46,7 @@ from chunk_grpo.rewards.model_files import (
     reward_inputs,
 )
 from chunk_grpo.rewards.registry import RewardLoadError, register_reward
+from chunk_grpo.rewards.score_mlp import ScoreMLP
 
 IMAGEREWARD_REPO = "THUDM/ImageReward"
 CHECKPOINT_FILE = "ImageReward.pt"
@@ -59,8 +59,6 @@ REWARD_MEAN = 0.16717362830052426  # the authors' normalisation of the head's ou
 REWARD_STD = 1.0333394966054072
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-HIDDEN_SIZES = (1024, 128, 64, 16)
-DROPOUTS = (0.2, 0.2, 0.1)  # after the first three Linear layers (inactive: eval mode)
 _NAME = "imagereward"
 
 
@@ -72,22 +70,7 @@ def imagereward_preprocess(image_size: int = 224) -> ImagePreprocess:
                            std=CLIP_STD)
 
 
-class ImageRewardHead(nn.Module):
-    """The published MLP on the text encoder's first-position output (keys layers.{0,2,4,6,7})."""
-
-    def __init__(self, input_size: int = 768):
-        super().__init__()
-        sizes = (input_size, *HIDDEN_SIZES)
-        layers: list[nn.Module] = []
-        for i in range(len(HIDDEN_SIZES)):
-            layers.append(nn.Linear(sizes[i], sizes[i + 1]))
-            if i < len(DROPOUTS):
-                layers.append(nn.Dropout(DROPOUTS[i]))
-        layers.append(nn.Linear(HIDDEN_SIZES[-1], 1))
-        self.layers = nn.Sequential(*layers)
-
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        return self.layers(features)
+ImageRewardHead = ScoreMLP  # ImageReward's head: the shared published MLP (`score_mlp`)
 
 
 def _load_state(path: Path) -> dict[str, torch.Tensor]:
