@@ -25,7 +25,7 @@ from chunk_grpo.rewards.clip_common import ClipEncoder, check_image_size, load_c
 from chunk_grpo.rewards.image_preprocess import ImagePreprocess
 from chunk_grpo.rewards.model_files import (
     check_batch_size,
-    first_line,
+    load_state_dict_file,
     resolve_device_dtype,
     resolve_model_dir,
     resolve_model_file,
@@ -38,18 +38,6 @@ HPSV2_REPO = "xswu/HPSv2"
 HPSV21_FILE = "HPS_v2.1_compressed.pt"
 VIT_H_14_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
 VIT_H_14_HEADS = (16, 16)  # vision (width 1280, head width 80), text (width 1024, 64)
-
-
-def load_open_clip_state(path: os.PathLike) -> dict[str, torch.Tensor]:
-    """The open_clip state dict of a checkpoint file ({"state_dict": ...} or the dict itself)."""
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # pickle, zip and torch errors all mean "not this file"
-        raise RewardLoadError(f"reward 'hpsv2': cannot read {path}: {first_line(err)}") from None
-    state = checkpoint.get("state_dict", checkpoint) if isinstance(checkpoint, dict) else None
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise RewardLoadError(f"reward 'hpsv2': {path} holds no open_clip state dict")
-    return state
 
 
 @register_reward("hpsv2")
@@ -70,7 +58,7 @@ class HPSv2Score:
         checkpoint = resolve_model_file(model, HPSV21_FILE, "hpsv2")
         processor_dir = resolve_model_dir(processor, "hpsv2")
         preprocess = ImagePreprocess.load(processor_dir, "hpsv2")
-        state = load_open_clip_state(checkpoint)
+        state = load_state_dict_file(checkpoint, "hpsv2", "open_clip state dict")
         if "token_embedding.weight" not in state:
             raise RewardLoadError(f"reward 'hpsv2': {checkpoint} is not an open_clip CLIP "
                                   f"checkpoint (no token_embedding.weight)")

@@ -40,6 +40,7 @@ from chunk_grpo.rewards.image_preprocess import ImagePreprocess
 from chunk_grpo.rewards.model_files import (
     check_batch_size,
     first_line,
+    load_state_dict_file,
     resolve_device_dtype,
     resolve_model_dir,
     resolve_model_file,
@@ -71,17 +72,6 @@ def imagereward_preprocess(image_size: int = 224) -> ImagePreprocess:
 
 
 ImageRewardHead = ScoreMLP  # ImageReward's head: the shared published MLP (`score_mlp`)
-
-
-def _load_state(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # pickle, zip and torch errors all mean "not this file"
-        raise RewardLoadError(f"reward {_NAME!r}: cannot read {path}: {first_line(err)}") from None
-    state = checkpoint.get("state_dict", checkpoint) if isinstance(checkpoint, dict) else None
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise RewardLoadError(f"reward {_NAME!r}: {path} holds no state dict")
-    return state
 
 
 def _load_med_config(path: Path) -> dict:
@@ -149,7 +139,8 @@ class ImageRewardScore:
         checkpoint, med_path = _checkpoint_and_config(model)
         med = _load_med_config(med_path)
         try:
-            vision, text, head = split_image_reward_state_dict(_load_state(checkpoint))
+            state = load_state_dict_file(checkpoint, _NAME)
+            vision, text, head = split_image_reward_state_dict(state)
             text_model = text_model_from_state(text, med)
             vision_model = vision_model_from_state(vision, heads=vision_heads)
         except BlipConversionError as err:

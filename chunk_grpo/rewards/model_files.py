@@ -138,3 +138,17 @@ def reward_inputs(images: torch.Tensor, prompts: list[str]) -> tuple[torch.Tenso
     if not all(isinstance(p, str) for p in prompts):
         raise ValueError("prompts must all be str")
     return images.detach().float().nan_to_num(0.5).clamp(0.0, 1.0), prompts
+
+
+def load_state_dict_file(path: os.PathLike, reward: str, kind: str = "state dict"
+                         ) -> dict[str, torch.Tensor]:
+    """The tensors of a torch checkpoint file ({"state_dict": ...} or the dict itself), read
+    without unpickling code; anything else is a RewardLoadError naming the file."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # pickle, zip and torch errors all mean "not this file"
+        raise RewardLoadError(f"reward {reward!r}: cannot read {path}: {first_line(err)}") from None
+    state = checkpoint.get("state_dict", checkpoint) if isinstance(checkpoint, dict) else None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise RewardLoadError(f"reward {reward!r}: {path} holds no {kind}")
+    return state
