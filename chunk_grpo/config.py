@@ -167,6 +167,15 @@ class TrainConfig:
     )
     ema_decay: float = 0.0  # 0 = no EMA
     attention_backend: str = "auto"  # auto (flash if installed, else native) | native | flash
+    guidance: float | None = None  # FLUX.1-dev's distilled guidance; None = the model's default
+
+    # --- scale: memory and parallelism ------------------------------------------------------
+    parallelism: str = "ddp"  # ddp | fsdp (FSDP2, a shard per transformer block) | none
+    cpu_offload: bool = False  # fsdp: keep parameters, gradients and optimizer state on the CPU
+    compile_blocks: bool = False  # torch.compile each transformer block
+    weights_dtype: str = "auto"  # frozen weights and the base: auto (bf16 on CUDA, else fp32)
+    text_encoders: str = "keep"  # keep (on the device) | cache (embed once, free them) | cpu
+    prompt_cache_dir: str = ""  # text_encoders: cache; "" = ~/.cache/chunk_grpo/prompt_embeds
 
     # --- evaluation, logging, checkpoints, faults ------------------------------------------
     eval_every: int = 50  # iterations between evaluations (0 = only at the end)
@@ -201,6 +210,9 @@ class TrainConfig:
         _choice("mixed_precision", self.mixed_precision, ("auto", "no", "bf16"))
         _choice("attention_backend", self.attention_backend, ("auto", "native", "flash"))
         _choice("device", self.device, ("auto", "cpu", "cuda"))
+        _choice("parallelism", self.parallelism, ("ddp", "fsdp", "none"))
+        _choice("weights_dtype", self.weights_dtype, ("auto", "fp32", "bf16"))
+        _choice("text_encoders", self.text_encoders, ("keep", "cache", "cpu"))
         for name in ("num_steps", "group_size", "prompts_per_step", "rollout_batch_size",
                      "micro_batch_size", "ppo_epochs", "profile_prompts", "max_chunk_size",
                      "eval_images", "final_eval_images", "log_every", "keep_checkpoints",
@@ -279,7 +291,7 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"{name} must be > 0, got {value}")
-        for name in ("weight_decay", "kl_coef", "cfg_scale"):
+        for name in ("weight_decay", "kl_coef", "cfg_scale", "guidance"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ConfigError(f"{name} must be >= 0, got {value}")
