@@ -36,14 +36,15 @@ from tqdm.auto import tqdm
 
 from chunk_grpo import distributed as D
 from chunk_grpo.checkpoint import latest_checkpoint, load_checkpoint
+from chunk_grpo.cli import run_cli
 from chunk_grpo.config import (
     ConfigError,
     RunInterrupted,
     TrainConfig,
     build_config,
+    flat_keys,
     load_yaml,
     parse_args,
-    run_cli,
 )
 from chunk_grpo.evaluate import evaluate_policy
 from chunk_grpo.metrics import read_metrics
@@ -141,9 +142,9 @@ def base_values(yaml_path: str | None, flags: dict[str, Any]) -> dict[str, Any]:
     """The base config's values: ABLATION_DEFAULTS < YAML file < flags (trainer defaults below
     all of them). Raises ConfigError for a flag the ablation sets itself."""
     values = dict(ABLATION_DEFAULTS)
-    values.update({k.replace("-", "_"): v for k, v in
-                   (load_yaml(yaml_path) if yaml_path else {}).items()})
-    for key, value in flags.items():
+    # By flat name (an alias of each setting), whichever way the preset and flags spell them.
+    values.update(flat_keys(load_yaml(yaml_path) if yaml_path else {}, str(yaml_path)))
+    for key, value in flat_keys(flags, "the command line").items():
         if key in RESERVED:
             raise ConfigError(f"--{key.replace('_', '-')} is set by the ablation; use "
                               f"{RESERVED[key]}")
@@ -311,7 +312,7 @@ def run_one(cell: Cell, seed: int, cfg: TrainConfig, out: Path, count: int, nois
         trained = train_resumably(cfg, run_dir, on_step_end)
         trained["chunk_layout"] = load_checkpoint(run_dir, restore_rng=False)["chunk_layout"]
         _atomic_write(trained_path, json.dumps(trained))
-    policy = load_policy(dataclasses.replace(cfg, model=str(run_dir / "final_model")), device)
+    policy = load_policy(cfg.with_changes({"model.name": str(run_dir / "final_model")}), device)
     evaluation = evaluate_model(policy, cfg, count, noise_seed, reward)
     diffs = np.asarray(evaluation["rewards"]) - np.asarray(base_eval["rewards"])
     gain, gain_ci = mean_ci95(diffs)
@@ -367,12 +368,13 @@ def table_header(base_cfg: TrainConfig, seeds: list[int], minutes: float, count:
               else f"{base_cfg.max_steps} iterations per run")
     window = (f"every step stochastic (sde_window 0, the paper's setting and the ablation's "
               f"default; the trainer's own default trains only the first "
-              f"{TrainConfig.sde_window} transitions)" if base_cfg.sde_window == 0
+              f"{TrainConfig().sde_window} transitions)" if base_cfg.sde_window == 0
               else f"sde_window {base_cfg.sde_window}")
     return [
         "# Chunk ablation (toy-scale Table 3)",
         "",
-        f"Model {base_cfg.model}, reward {base_cfg.reward}, {base_cfg.num_steps} sampling steps, "
+        f"Model {base_cfg.model.name}, reward {base_cfg.reward.name}, "
+        f"{base_cfg.num_steps} sampling steps, "
         f"{window}: {base_cfg.num_trained} trained transitions; "
         f"{base_cfg.prompts_per_step} prompts x {base_cfg.group_size} images per iteration.",
         f"Equal compute: {budget}. Seeds {','.join(map(str, seeds))}; 's' is the mean training "

@@ -14,23 +14,8 @@ import torch
 
 from chunk_grpo.rollout import SDE_KINDS, Rollout, denoise
 from chunk_grpo.schedule import flux_sigmas
-
-
-class GranularityError(ValueError):
-    """An invalid list of finishing granularities."""
-
-
-def parse_granularities(spec: str) -> tuple[int, ...]:
-    """"1,2" -> (1, 2): distinct positive ODE strides for the finishes, the first one stored."""
-    try:
-        values = tuple(int(s) for s in str(spec).split(",") if s.strip())
-    except ValueError:
-        raise GranularityError(f"granularities must be comma-separated integers such as '1,2', "
-                               f"got {spec!r}") from None
-    if not values or any(v < 1 for v in values) or len(set(values)) != len(values):
-        raise GranularityError(f"granularities must be distinct integers >= 1 such as '1,2', "
-                               f"got {spec!r}")
-    return values
+from chunk_grpo.specs import GranularityError as GranularityError  # re-exported
+from chunk_grpo.specs import parse_granularities as parse_granularities  # re-exported
 
 
 def tail_sigmas(sigmas: torch.Tensor, start: int, stride: int) -> torch.Tensor:

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-
-class ChunkSpecError(ValueError):
-    """An invalid chunk specification; the message says what is allowed."""
+from chunk_grpo.specs import ChunkSpecError as ChunkSpecError  # re-exported
+from chunk_grpo.specs import chunk_sizes
+from chunk_grpo.specs import trained_transitions as trained_transitions  # re-exported
 
 
 @dataclass(frozen=True)
@@ -52,51 +52,16 @@ class ChunkLayout:
         return torch.stack([curve[self.steps(j)].float().mean() for j in range(self.num_chunks)])
 
 
-def trained_transitions(num_steps: int, sde_window: int = 0) -> int:
-    """W, the transitions with a trained log-prob: the SDE steps, never the last step into 0.
-
-    sde_window 0: every step is stochastic (W = T - 1). sde_window k: the first k steps are
-    stochastic and the rest deterministic ODE steps (W = min(k, T - 1)).
-    """
-    if sde_window < 0:
-        raise ValueError(f"sde_window must be >= 0, got {sde_window}")
-    return num_steps - 1 if sde_window == 0 else min(sde_window, num_steps - 1)
-
-
 def parse_chunk_spec(spec: str, num_trained: int, chunk_size: int | None = None
                      ) -> ChunkLayout | None:
     """A layout for ``num_trained`` transitions, or None for "auto" (needs the profile).
 
     spec: "2,3,4,7" (sizes summing to num_trained), "step", "sequence" or "auto".
     chunk_size: fixed-size chunks (the last one takes the remainder); overrides spec.
+    The syntax is `specs.chunk_sizes`' (torch-free, so the configuration checks it early).
     """
-    if num_trained < 1:
-        raise ChunkSpecError(f"need at least one trained transition, got {num_trained}")
-    if chunk_size is not None:
-        if chunk_size < 1:
-            raise ChunkSpecError(f"chunk_size must be >= 1, got {chunk_size}")
-        full, rest = divmod(num_trained, chunk_size)
-        return ChunkLayout(tuple([chunk_size] * full + ([rest] if rest else [])))
-    text = str(spec).strip().lower()
-    if text == "auto":
-        return None
-    if text == "step":
-        return ChunkLayout((1,) * num_trained)
-    if text == "sequence":
-        return ChunkLayout((num_trained,))
-    try:
-        sizes = tuple(int(p) for p in text.replace(" ", "").split(","))
-    except ValueError:
-        raise ChunkSpecError(
-            f"chunks must be 'auto', 'step', 'sequence' or comma-separated sizes like "
-            f"'2,3,4,7', got {spec!r}") from None
-    if any(s < 1 for s in sizes):
-        raise ChunkSpecError(f"chunk sizes must be >= 1, got {spec!r}")
-    if sum(sizes) != num_trained:
-        raise ChunkSpecError(
-            f"chunk sizes {spec!r} sum to {sum(sizes)} but there are {num_trained} trained "
-            f"transitions (num_steps - 1, or sde_window); make them sum to {num_trained}")
-    return ChunkLayout(sizes)
+    sizes = chunk_sizes(spec, num_trained, chunk_size)
+    return None if sizes is None else ChunkLayout(sizes)
 
 
 def relative_change(latents: torch.Tensor) -> torch.Tensor:

@@ -1,121 +1,92 @@
-"""The training configuration: one dataclass, YAML presets, command-line overrides.
+"""The training configuration: one dataclass per section, YAML presets, command-line overrides.
 
-Precedence: dataclass defaults < YAML file (``--config``) < command-line flags. Every field is a
-flag (``--group-size 8`` or ``--group_size 8``); unknown keys in a YAML file or on the command line
-are errors that suggest the closest valid name.
+Precedence: dataclass defaults < YAML file (``--config``) < command-line flags. A setting is
+named by its dotted path, ``section.key`` (``--optim.lr 1e-4``, ``--optim.lr=1e-4``, or in YAML
+``optim: {lr: 1e-4}`` / ``optim.lr: 1e-4``). The flat names of earlier versions stay as aliases
+(`FLAT_ALIASES`: ``--lr``, ``--group-size``, ``lr:`` in a YAML file, ``{"group_size": 4}`` as an
+override), so old presets, saved run configs and commands keep working. Unknown keys are errors
+that suggest the closest valid name.
+
+A leaf module: it imports nothing that needs torch, so every command parses and checks its flags
+before loading a model.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import difflib
-import math
-import re
-import sys
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from chunk_grpo.cli_args import OneLineArgumentParser, quiet_third_party
+from chunk_grpo.cli_args import OneLineArgumentParser
+from chunk_grpo.config_checks import check_config
+from chunk_grpo.errors import ConfigError as ConfigError  # re-exported: raised by every module
+from chunk_grpo.errors import RunInterrupted as RunInterrupted  # re-exported
 from chunk_grpo.reward_spec import RewardSpecError, format_reward_spec, parse_reward_spec
+from chunk_grpo.specs import trained_transitions
 
+# ----------------------------------------------------------------------------- the sections
 
-class ConfigError(ValueError):
-    """A configuration value or key is invalid; the message names it and the fix."""
+@dataclass
+class ModelConfig:
+    """The policy: which model, its size, precision and what is trained."""
 
-
-class RunInterrupted(RuntimeError):
-    """Ctrl-C stopped a run; the message names the checkpoint to resume from."""
-
-
-def run_command(main: Callable[[], object], prog: str,
-                errors: tuple[type[Exception], ...] | Callable[[], tuple] = ()) -> None:
-    """Run a command-line entry point: a ConfigError (or one of ``errors``, e.g. a model that
-    cannot be loaded) prints one line and exits with status 2, as argparse does for bad flags,
-    instead of a traceback (its message already says the fix). Ctrl-C prints one line and exits
-    with status 130, the shell's convention for SIGINT. ``errors`` may be a function returning
-    the classes, imported only when an error happens (they live in heavy modules)."""
-    try:
-        main()
-    except (KeyboardInterrupt, RunInterrupted) as err:
-        why = _one_line(err) if isinstance(err, RunInterrupted) else "interrupted (Ctrl-C)"
-        sys.stderr.write(f"{prog}: {why}\n")
-        raise SystemExit(130) from None
-    except Exception as err:
-        kinds = errors() if callable(errors) else errors
-        if not isinstance(err, (ConfigError, *kinds)):
-            raise
-        sys.stderr.write(f"{prog}: error: {_one_line(err)}\n")
-        raise SystemExit(2) from None
-
-
-def _one_line(err: BaseException) -> str:
-    """The error's message on one line (some messages carry a hint on a second line)."""
-    return " ".join(str(err).split("\n"))
-
-
-def run_cli(main: Callable[[], object], module: str) -> None:
-    """The ``__main__`` of ``python -m module``: `run_command` with every error a command reports
-    in one line (a bad configuration or input file, a model or reward that cannot be loaded, an
-    unknown reward, a bad reward spec or output, a damaged checkpoint, a locked run directory,
-    a full disk)."""
-    quiet_third_party("--verbose" in sys.argv[1:])
-
-    run_command(main, f"python -m {module}", errors=_loaded_one_line_errors)
-
-
-# Errors reported in one line besides ConfigError, by module: looked up only among the modules
-# already imported (an error can only come from a loaded module), so that reporting a bad flag
-# never imports diffusers.
-_ONE_LINE_ERRORS = (
-    ("chunk_grpo.models.loading", "ModelLoadError"),
-    ("chunk_grpo.rewards.registry", "UnknownRewardError"),
-    ("chunk_grpo.rewards.registry", "RewardLoadError"),
-    ("chunk_grpo.reward_spec", "RewardSpecError"),
-    ("chunk_grpo.rewards.outputs", "RewardError"),
-    ("chunk_grpo.checkpoint", "CheckpointError"),
-    ("chunk_grpo.checkpoint", "DiskFullError"),
-    ("chunk_grpo.run_lock", "RunLockedError"),
-)
-
-
-def _loaded_one_line_errors() -> tuple[type[Exception], ...]:
-    return tuple(getattr(sys.modules[module], name) for module, name in _ONE_LINE_ERRORS
-                 if module in sys.modules)
+    name: str = "embedded"  # diffusers directory or hub id; "embedded" = shipped tiny FLUX
+    height: int | None = None  # None = the model's default size
+    width: int | None = None
+    mixed_precision: str = "auto"  # auto (bf16 where native, else fp32) | no | bf16
+    weights_dtype: str = "auto"  # frozen weights and the base: auto (bf16 on CUDA, else fp32)
+    attention_backend: str = "auto"  # auto (flash if installed, else native) | native | flash
+    gradient_checkpointing: bool = False
+    compile_blocks: bool = False  # torch.compile each transformer block
+    lora_rank: int = 8  # 0 = full fine-tuning
+    lora_alpha: float | None = None  # None = lora_rank
+    lora_targets: list[str] = field(
+        default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"]
+    )
+    guidance: float | None = None  # FLUX.1-dev's distilled guidance; None = the model's default
+    text_encoders: str = "keep"  # keep (on the device) | cache (embed once, free them) | cpu
+    prompt_cache_dir: str = ""  # text_encoders: cache; "" = ~/.cache/chunk_grpo/prompt_embeds
 
 
 @dataclass
-class TrainConfig:
-    # --- model, data, reward -------------------------------------------------------------
-    model: str = "embedded"  # diffusers directory or hub id; "embedded" = shipped tiny FLUX
+class RewardConfig:
+    """What the images are scored with."""
+
     # a registered name, module:name, remote:URL, or a mix "a=1.0,b=0.5"
-    reward: str = "jpeg_compressibility"
+    name: str = "jpeg_compressibility"
     mix_advantage: str = "total"  # total (of the weighted sum) | per_reward (each normalised)
-    reward_device: str = ""  # "" = the trainer's device; rewards get bf16 on CUDA, fp32 on CPU
-    reward_batch_size: int = 0  # images per reward call; 0 = a whole rollout batch
-    reward_overlap: bool = True  # score rollout batch i while batch i+1 is sampled
+    device: str = ""  # "" = the trainer's device; rewards get bf16 on CUDA, fp32 on CPU
+    batch_size: int = 0  # images per reward call; 0 = a whole rollout batch
+    overlap: bool = True  # score rollout batch i while batch i+1 is sampled
+
+
+@dataclass
+class DataConfig:
+    """The prompt sets."""
+
     train_prompts: str = "shapes:rl"  # a prompt file, or shapes:rl / shapes:train / shapes:heldout
     eval_prompts: str = "shapes:heldout"
-    output_dir: str = ""  # "" = runs/<timestamp>
-    seed: int = 0
-    height: int | None = None  # None = the model's default size
-    width: int | None = None
 
-    # --- algorithm ----------------------------------------------------------------------
+
+@dataclass
+class SamplingConfig:
+    """The rollouts: the algorithm, the sampler and the groups."""
+
     algorithm: str = "chunk_grpo"  # chunk_grpo | g2rpo (singular branch step, several finishes)
     g2rpo_granularities: str = "1,2"  # g2rpo: ODE strides of the finishes after the branch
-
-    # --- sampling (rollouts) ----------------------------------------------------------
-    num_steps: int = 10  # T: sampling steps in training; the last transition is not trained
+    steps: int = 10  # T: sampling steps in training; the last transition is not trained
     shift: float = 3.0
     dynamic_shift: bool = False  # FLUX's resolution-dependent shift from the token count instead
-    sde_kind: str = "flow"  # flow | dance | cps | cps_mse
+    sde: str = "flow"  # flow | dance | cps | cps_mse
     eta: float = 0.7
     cfg_scale: float | None = None  # None = the model's default_cfg_scale
     group_size: int = 8  # G images per prompt
@@ -124,17 +95,25 @@ class TrainConfig:
     antithetic_noise: bool = False  # image pairs in a group draw opposite noise (even G)
     sde_window: int = 3  # k > 0: only the first k steps are SDE (and trained), the rest ODE
     decode: str = "final"  # final latent | x0 (the last step's clean prediction)
-    rollout_batch_size: int = 64  # rows per rollout transformer call
+    batch_size: int = 64  # rows per rollout transformer call
 
-    # --- chunking -------------------------------------------------------------------------
-    chunks: str = "auto"  # "2,3,4,7" | "auto" | "step" | "sequence"
-    chunk_size: int | None = None  # fixed-size chunks; overrides `chunks`
-    chunk_fraction: float = 1.0  # fraction of chunks trained per iteration
-    weighted_chunks: bool = False  # draw chunks with weight ~ mean relative change
+
+@dataclass
+class ChunksConfig:
+    """How the trained transitions are split into chunks, and which are trained."""
+
+    spec: str = "auto"  # "2,3,4,7" | "auto" | "step" | "sequence"
+    size: int | None = None  # fixed-size chunks; overrides `spec`
+    fraction: float = 1.0  # fraction of chunks trained per iteration
+    weighted: bool = False  # draw chunks with weight ~ mean relative change
     profile_prompts: int = 16  # prompts used for the temporal-dynamics profile
-    max_chunk_size: int = 5  # auto chunking splits longer segments
+    max_size: int = 5  # auto chunking splits longer segments
 
-    # --- loss -----------------------------------------------------------------------------
+
+@dataclass
+class LossConfig:
+    """Advantages, the clipped ratio and the KL term."""
+
     adv_norm: str = "group"  # group | global | none
     adv_clip_max: float | None = 5.0
     adv_eps: float = 1e-4
@@ -143,184 +122,269 @@ class TrainConfig:
     kl_coef: float = 0.0
     kl_ref: str = "old"  # old (k3 vs the rollout policy) | reference (LoRA disabled)
 
-    # --- optimisation ---------------------------------------------------------------------
-    max_steps: int = 400  # training iterations (rollout + update)
-    max_minutes: float = 10.0  # stop after this much training wall time (0 = no limit)
+
+@dataclass
+class OptimConfig:
+    """The optimizer, its schedule, and how the batch is split into optimizer steps."""
+
+    name: str = "adamw"  # adamw | adamw8bit
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    warmup_steps: int = 0  # optimizer steps of linear warm-up
+    schedule: str = "constant"  # constant | cosine
     micro_batch_size: int = 8  # samples per training call (call batch = chunk size x this)
     grad_accum: int = 0  # training calls per optimizer step (0 = all of an iteration)
     ppo_epochs: int = 1  # passes over each batch of rollouts
-    optimizer: str = "adamw"  # adamw | adamw8bit
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    max_grad_norm: float = 1.0
-    warmup_steps: int = 0  # optimizer steps of linear warm-up
-    lr_schedule: str = "constant"  # constant | cosine
-    mixed_precision: str = "auto"  # auto (bf16 where native, else fp32) | no | bf16
-    gradient_checkpointing: bool = False
-    lora_rank: int = 8  # 0 = full fine-tuning
-    lora_alpha: float | None = None  # None = lora_rank
-    lora_targets: list[str] = field(
-        default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"]
-    )
     ema_decay: float = 0.0  # 0 = no EMA
-    attention_backend: str = "auto"  # auto (flash if installed, else native) | native | flash
-    guidance: float | None = None  # FLUX.1-dev's distilled guidance; None = the model's default
 
-    # --- scale: memory and parallelism ------------------------------------------------------
-    parallelism: str = "ddp"  # ddp | fsdp (FSDP2, a shard per transformer block) | none
+
+@dataclass
+class ParallelConfig:
+    """Several processes (torchrun) and memory."""
+
+    mode: str = "ddp"  # ddp | fsdp (FSDP2, a shard per transformer block) | none
     cpu_offload: bool = False  # fsdp: keep parameters, gradients and optimizer state on the CPU
-    compile_blocks: bool = False  # torch.compile each transformer block
-    weights_dtype: str = "auto"  # frozen weights and the base: auto (bf16 on CUDA, else fp32)
-    text_encoders: str = "keep"  # keep (on the device) | cache (embed once, free them) | cpu
-    prompt_cache_dir: str = ""  # text_encoders: cache; "" = ~/.cache/chunk_grpo/prompt_embeds
 
-    # --- evaluation, logging, checkpoints, faults ------------------------------------------
-    eval_every: int = 50  # iterations between evaluations (0 = only at the end)
-    eval_images: int = 32  # held-out images per periodic evaluation
-    final_eval_images: int = 256  # held-out images of the final evaluation (the run's summary)
-    eval_hybrid_steps: int = 8  # >0: also evaluate hybrid inference, this many policy steps
+
+@dataclass
+class EvalConfig:
+    """The held-out evaluations."""
+
+    every: int = 50  # iterations between evaluations (0 = only at the end)
+    images: int = 32  # held-out images per periodic evaluation
+    final_images: int = 256  # held-out images of the final evaluation (the run's summary)
+    hybrid_steps: int = 8  # >0: also evaluate hybrid inference, this many policy steps
+
+
+@dataclass
+class RunConfig:
+    """The run: where, how long, logging, checkpoints and faults."""
+
+    output_dir: str = ""  # "" = runs/<timestamp>
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    max_steps: int = 400  # training iterations (rollout + update)
+    max_minutes: float = 10.0  # stop after this much training wall time (0 = no limit)
     log_every: int = 1
     image_grid_every: int = 25  # iterations between rollout image grids (0 = never)
     checkpoint_every: int = 25  # iterations between checkpoints (0 = only at the end)
     keep_checkpoints: int = 2
     max_bad_steps: int = 3  # consecutive non-finite steps before the run stops
-    device: str = "auto"  # auto | cpu | cuda
     progress: bool = True
+
+
+# The flat names of earlier versions, each an alias of one dotted path (command line, YAML,
+# override dicts). Fixed: a saved config.yaml of an old run keeps loading.
+FLAT_ALIASES: dict[str, str] = {
+    "model": "model.name", "height": "model.height", "width": "model.width",
+    "mixed_precision": "model.mixed_precision", "weights_dtype": "model.weights_dtype",
+    "attention_backend": "model.attention_backend",
+    "gradient_checkpointing": "model.gradient_checkpointing",
+    "compile_blocks": "model.compile_blocks", "lora_rank": "model.lora_rank",
+    "lora_alpha": "model.lora_alpha", "lora_targets": "model.lora_targets",
+    "guidance": "model.guidance", "text_encoders": "model.text_encoders",
+    "prompt_cache_dir": "model.prompt_cache_dir",
+    "reward": "reward.name", "mix_advantage": "reward.mix_advantage",
+    "reward_device": "reward.device", "reward_batch_size": "reward.batch_size",
+    "reward_overlap": "reward.overlap",
+    "train_prompts": "data.train_prompts", "eval_prompts": "data.eval_prompts",
+    "algorithm": "sampling.algorithm", "g2rpo_granularities": "sampling.g2rpo_granularities",
+    "num_steps": "sampling.steps", "shift": "sampling.shift",
+    "dynamic_shift": "sampling.dynamic_shift", "sde_kind": "sampling.sde",
+    "eta": "sampling.eta", "cfg_scale": "sampling.cfg_scale", "group_size": "sampling.group_size",
+    "prompts_per_step": "sampling.prompts_per_step", "shared_noise": "sampling.shared_noise",
+    "antithetic_noise": "sampling.antithetic_noise", "sde_window": "sampling.sde_window",
+    "decode": "sampling.decode", "rollout_batch_size": "sampling.batch_size",
+    "chunks": "chunks.spec", "chunk_size": "chunks.size", "chunk_fraction": "chunks.fraction",
+    "weighted_chunks": "chunks.weighted", "profile_prompts": "chunks.profile_prompts",
+    "max_chunk_size": "chunks.max_size",
+    "adv_norm": "loss.adv_norm", "adv_clip_max": "loss.adv_clip_max", "adv_eps": "loss.adv_eps",
+    "clip_low": "loss.clip_low", "clip_high": "loss.clip_high", "kl_coef": "loss.kl_coef",
+    "kl_ref": "loss.kl_ref",
+    "optimizer": "optim.name", "lr": "optim.lr", "weight_decay": "optim.weight_decay",
+    "adam_beta1": "optim.beta1", "adam_beta2": "optim.beta2", "adam_eps": "optim.eps",
+    "max_grad_norm": "optim.max_grad_norm", "warmup_steps": "optim.warmup_steps",
+    "lr_schedule": "optim.schedule", "micro_batch_size": "optim.micro_batch_size",
+    "grad_accum": "optim.grad_accum", "ppo_epochs": "optim.ppo_epochs",
+    "ema_decay": "optim.ema_decay",
+    "parallelism": "parallel.mode", "cpu_offload": "parallel.cpu_offload",
+    "eval_every": "eval.every", "eval_images": "eval.images",
+    "final_eval_images": "eval.final_images", "eval_hybrid_steps": "eval.hybrid_steps",
+    "output_dir": "run.output_dir", "seed": "run.seed", "device": "run.device",
+    "max_steps": "run.max_steps", "max_minutes": "run.max_minutes", "log_every": "run.log_every",
+    "image_grid_every": "run.image_grid_every", "checkpoint_every": "run.checkpoint_every",
+    "keep_checkpoints": "run.keep_checkpoints", "max_bad_steps": "run.max_bad_steps",
+    "progress": "run.progress",
+}
+
+
+@dataclass
+class TrainConfig:
+    """Every setting of a training run, by section (``cfg.optim.lr``)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    chunks: ChunksConfig = field(default_factory=ChunksConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    run: RunConfig = field(default_factory=RunConfig)
 
     @property
     def num_trained(self) -> int:
         """W: the transitions with a log-prob, which the chunks split."""
-        from chunk_grpo.chunking import trained_transitions  # needs torch: see validate()
+        return trained_transitions(self.sampling.steps, self.sampling.sde_window)
 
-        return trained_transitions(self.num_steps, self.sde_window)
+    def get(self, key: str) -> Any:
+        """The value of a dotted path (``"optim.lr"``) or flat alias (``"lr"``)."""
+        section, leaf = resolve_key(key, "the configuration").split(".")
+        return getattr(getattr(self, section), leaf)
 
-    def validate(self) -> TrainConfig:
-        """Raise ConfigError for any inconsistent value; returns self."""
-        _choice("algorithm", self.algorithm, ("chunk_grpo", "g2rpo"))
-        _choice("sde_kind", self.sde_kind, ("flow", "dance", "cps", "cps_mse"))
-        _choice("decode", self.decode, ("final", "x0"))
-        _choice("adv_norm", self.adv_norm, ("group", "global", "none"))
-        _choice("mix_advantage", self.mix_advantage, ("total", "per_reward"))
-        _choice("kl_ref", self.kl_ref, ("old", "reference"))
-        _choice("optimizer", self.optimizer, ("adamw", "adamw8bit"))
-        _choice("lr_schedule", self.lr_schedule, ("constant", "cosine"))
-        _choice("mixed_precision", self.mixed_precision, ("auto", "no", "bf16"))
-        _choice("attention_backend", self.attention_backend, ("auto", "native", "flash"))
-        _choice("device", self.device, ("auto", "cpu", "cuda"))
-        _choice("parallelism", self.parallelism, ("ddp", "fsdp", "none"))
-        _choice("weights_dtype", self.weights_dtype, ("auto", "fp32", "bf16"))
-        _choice("text_encoders", self.text_encoders, ("keep", "cache", "cpu"))
-        for name in ("num_steps", "group_size", "prompts_per_step", "rollout_batch_size",
-                     "micro_batch_size", "ppo_epochs", "profile_prompts", "max_chunk_size",
-                     "eval_images", "final_eval_images", "log_every", "keep_checkpoints",
-                     "max_bad_steps"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_steps", "grad_accum", "warmup_steps", "eval_every", "checkpoint_every",
-                     "image_grid_every", "lora_rank", "eval_hybrid_steps", "sde_window",
-                     "reward_batch_size"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.num_steps < 2:
-            raise ConfigError(f"num_steps must be >= 2 (the last step is not trained), "
-                              f"got {self.num_steps}")
-        if self.group_size < 2 and self.adv_norm != "none":
-            raise ConfigError("group_size must be >= 2 for group advantages; "
-                              "set adv_norm: none for single samples")
-        if self.antithetic_noise and self.group_size % 2:
-            raise ConfigError(f"antithetic_noise pairs the images of a group: group_size must be "
-                              f"even, got {self.group_size}")
-        if not 0.0 < self.chunk_fraction <= 1.0:
-            raise ConfigError(f"chunk_fraction must be in (0, 1], got {self.chunk_fraction}")
-        if self.chunk_size is not None and self.chunk_size < 1:
-            raise ConfigError(f"chunk_size must be >= 1, got {self.chunk_size}")
-        if not (0.0 <= self.eta):
-            raise ConfigError(f"eta must be >= 0, got {self.eta}")
-        if self.eta == 0.0:
-            raise ConfigError("eta must be > 0 for training: an SDE step with no noise has "
-                              "no log-probability")
-        if self.clip_low < 0 or self.clip_high < 0 or self.clip_low >= 1:
-            raise ConfigError(f"clip_low must be in [0, 1) and clip_high >= 0, got "
-                              f"{self.clip_low}, {self.clip_high}")
-        if self.adv_clip_max is not None and self.adv_clip_max <= 0:
-            raise ConfigError(f"adv_clip_max must be > 0 or null, got {self.adv_clip_max}")
-        self._check_numbers()
-        if not 0.0 <= self.ema_decay < 1.0:
-            raise ConfigError(f"ema_decay must be in [0, 1), got {self.ema_decay}")
-        if self.kl_ref == "reference" and self.kl_coef > 0 and self.lora_rank == 0:
-            raise ConfigError("kl_ref: reference needs LoRA (lora_rank > 0): the reference "
-                              "model is the base with the adapters disabled")
-        if self.max_minutes < 0:
-            raise ConfigError("max_minutes must be >= 0")
-        # Imported here, not at the top: the commands parse their flags before torch loads
-        # (chunk_grpo.cli_args), and these modules need torch.
-        from chunk_grpo.branching import GranularityError, parse_granularities
-        from chunk_grpo.chunking import ChunkSpecError, parse_chunk_spec
+    def with_changes(self, changes: Mapping[str, Any]) -> TrainConfig:
+        """A copy with ``changes`` ({dotted path or flat alias: value}) applied, converted to
+        each field's type but not validated (callers may need e.g. an infinite clip norm)."""
+        new = copy.deepcopy(self)
+        for path, (name, value) in _canonical(changes, "the changes").items():
+            section, leaf = path.split(".")
+            setattr(getattr(new, section), leaf, coerce(path, value, name))
+        return new
 
-        try:
-            parse_reward_spec(self.reward)
-        except RewardSpecError as err:
-            raise ConfigError(f"reward: {err}") from None
-        if not re.fullmatch(r"|cpu|cuda(:\d+)?", self.reward_device):
-            raise ConfigError(f"reward_device must be '' (the trainer's device), cpu, cuda or "
-                              f"cuda:N; got {self.reward_device!r}")
-        try:
-            parse_chunk_spec(self.chunks, self.num_trained, self.chunk_size)
-        except ChunkSpecError as err:
-            raise ConfigError(f"chunks: {err}") from None
-        try:
-            parse_granularities(self.g2rpo_granularities)
-        except GranularityError as err:
-            raise ConfigError(f"g2rpo_granularities: {err}") from None
-        if self.algorithm == "g2rpo" and not self.shared_noise:
-            raise ConfigError("algorithm g2rpo branches one ODE trajectory per prompt, so the "
-                              "group shares its initial noise: set shared_noise: true")
+    def validate(self, names: Mapping[str, str] | None = None) -> TrainConfig:
+        """Raise ConfigError for any inconsistent value; returns self. ``names`` maps a dotted
+        path to the key the user wrote (a flat alias), for the messages."""
+        check_config(self, lambda path: (names or {}).get(path, path))
         return self
 
-    def _check_numbers(self) -> None:
-        """Every float finite (``lr: nan`` or ``--lr inf`` would train NaN weights), and each in
-        its range."""
-        for name, value in dataclasses.asdict(self).items():
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"{name} must be a finite number, got {value}")
-        positive = ("lr", "max_grad_norm", "adam_eps", "adv_eps", "shift", "lora_alpha")
-        for name in positive:
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ConfigError(f"{name} must be > 0, got {value}")
-        for name in ("weight_decay", "kl_coef", "cfg_scale", "guidance"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ConfigError(f"{name} must be >= 0, got {value}")
-        for name in ("adam_beta1", "adam_beta2"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        for name in ("height", "width"):
-            value = getattr(self, name)
-            if value is not None and value < 16:
-                raise ConfigError(f"{name} must be >= 16 pixels or null (the model's size), "
-                                  f"got {value}")
-
     def to_dict(self) -> dict[str, Any]:
+        """{section: {key: value}}: the form config.yaml is saved in."""
         return dataclasses.asdict(self)
 
+    # >>> TRANSITION SHIM: flat attribute names (cfg.lr, cfg.group_size) resolve through
+    # FLAT_ALIASES until tools/convert_config_access.py has rewritten every call site; then this
+    # block and `_init_accepting_flat_names` below go (the script's --remove-shim does it).
+    # The names of sections (model, reward, chunks) are the sections, not their aliases.
+    def __getattr__(self, name: str) -> Any:
+        path = FLAT_ALIASES.get(name)
+        section = self.__dict__.get(path.split(".")[0]) if path else None
+        if section is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(section, path.split(".")[1])
 
-def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in FLAT_ALIASES and name not in SECTIONS:
+            section, leaf = FLAT_ALIASES[name].split(".")
+            setattr(getattr(self, section), leaf, value)
+        else:
+            object.__setattr__(self, name, value)
+    # <<< TRANSITION SHIM
 
 
-_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
-_HINTS = typing.get_type_hints(TrainConfig)
+SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(TrainConfig)[f.name]
+                             for f in dataclasses.fields(TrainConfig)}
+_HINTS: dict[str, Any] = {f"{section}.{name}": hint for section, cls in SECTIONS.items()
+                          for name, hint in typing.get_type_hints(cls).items()}
+PATHS: tuple[str, ...] = tuple(_HINTS)
 
+
+# >>> TRANSITION SHIM: TrainConfig(lr=...) and dataclasses.replace(cfg, lr=...) with flat names;
+# a plain value for a section's own name (model="dir") is its alias (model.name), on a copy.
+_DATACLASS_INIT = TrainConfig.__init__
+
+
+def _init_accepting_flat_names(self: TrainConfig, **values: Any) -> None:
+    flat = {FLAT_ALIASES[key]: values.pop(key) for key in list(values)
+            if key in FLAT_ALIASES and not isinstance(values[key], SECTIONS.get(key, ()))}
+    _DATACLASS_INIT(self, **values)
+    for path, value in flat.items():
+        section, leaf = path.split(".")
+        object.__setattr__(self, section, dataclasses.replace(getattr(self, section),
+                                                              **{leaf: value}))
+
+
+TrainConfig.__init__ = _init_accepting_flat_names  # type: ignore[method-assign]
+# <<< TRANSITION SHIM
+
+
+# ----------------------------------------------------------------------------- keys and values
 
 def _unknown_key(key: str, where: str) -> ConfigError:
-    close = difflib.get_close_matches(key, list(_FIELDS), n=1)
+    """The error for an unknown key, suggesting the closest dotted path or flat alias."""
+    section, _, leaf = key.rpartition(".")
+    if section and section not in SECTIONS:
+        close = difflib.get_close_matches(section, list(SECTIONS), n=1)
+        hint = f"; did you mean section {close[0]!r}?" if close else (
+            f"; the sections are {', '.join(SECTIONS)}")
+        return ConfigError(f"unknown config section {section!r} (in key {key!r}) in {where}{hint}")
+    elsewhere = [p for p in PATHS if p.endswith("." + leaf)] + (
+        [FLAT_ALIASES[leaf]] if leaf in FLAT_ALIASES else [])
+    if section and elsewhere:  # the right key in the wrong section
+        close = elsewhere[:1]
+    else:
+        candidates = [p for p in PATHS if p.startswith(section + ".")] if section else [
+            *FLAT_ALIASES, *PATHS]
+        close = difflib.get_close_matches(key, candidates, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     return ConfigError(f"unknown config key {key!r} in {where}{hint}")
+
+
+def resolve_key(key: str, where: str) -> str:
+    """The dotted path a key names (itself, or the path of a flat alias); dashes are
+    underscores. Raises ConfigError for an unknown key."""
+    key = key.replace("-", "_")
+    if key in _HINTS:
+        return key
+    if key in FLAT_ALIASES:
+        return FLAT_ALIASES[key]
+    raise _unknown_key(key, where)
+
+
+def _is_section_mapping(key: str, value: Any) -> bool:
+    """Whether ``key: value`` is a section written as a mapping. ``reward: {pickscore: 1.0}`` (a
+    mix, the flat alias) is not: the reward section's mapping has only the section's keys."""
+    if key not in SECTIONS or not isinstance(value, Mapping):
+        return False
+    if key != "reward":
+        return True
+    return all(f"reward.{str(k).replace('-', '_')}" in _HINTS for k in value)
+
+
+def _canonical(data: Mapping[str, Any], where: str) -> dict[str, tuple[str, Any]]:
+    """{dotted path: (the key as written, value)} of a flat, dotted or nested mapping; a later
+    key for the same path wins."""
+    out: dict[str, tuple[str, Any]] = {}
+    for key, value in data.items():
+        key = str(key).replace("-", "_")
+        if _is_section_mapping(key, value):
+            for leaf, leaf_value in value.items():
+                written = f"{key}.{str(leaf).replace('-', '_')}"
+                out[_resolve_key_in_section(written, where)] = (written, leaf_value)
+        elif key in SECTIONS and key not in FLAT_ALIASES:
+            if value is None:  # `optim:` with nothing under it
+                continue
+            raise ConfigError(f"{key} in {where} is a section: give it a mapping such as "
+                              f"`{key}: {{{_first_leaf(key)}: ...}}` or a dotted key "
+                              f"`{key}.{_first_leaf(key)}`, not {value!r}")
+        else:
+            out[resolve_key(key, where)] = (key, value)
+    return out
+
+
+def _resolve_key_in_section(path: str, where: str) -> str:
+    """A ``section.key`` written under a section mapping: only that section's keys."""
+    if path not in _HINTS:
+        raise _unknown_key(path, where)
+    return path
+
+
+def _first_leaf(section: str) -> str:
+    return next(p for p in PATHS if p.startswith(section + ".")).split(".")[1]
 
 
 def _base_type(hint: Any) -> tuple[Any, bool]:
@@ -332,15 +396,15 @@ def _base_type(hint: Any) -> tuple[Any, bool]:
     return hint, False
 
 
-def coerce(key: str, value: Any) -> Any:
-    """Convert a YAML or command-line value to the field's type, or raise ConfigError."""
-    if key not in _FIELDS:
-        raise _unknown_key(key, "the configuration")
-    typ, nullable = _base_type(_HINTS[key])
+def coerce(path: str, value: Any, name: str | None = None) -> Any:
+    """Convert a YAML or command-line value to the type of the field at ``path``, or raise
+    ConfigError naming it ``name`` (default: the path)."""
+    name = name or path
+    typ, nullable = _base_type(_HINTS[path])
     if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
         if nullable:
             return None
-        raise ConfigError(f"{key} cannot be null")
+        raise ConfigError(f"{name} cannot be null")
     try:
         if typ is bool:
             if isinstance(value, bool):
@@ -359,21 +423,32 @@ def coerce(key: str, value: Any) -> Any:
                 raise ValueError(value)
             return float(value)
         if typ is str:
-            if key == "reward" and isinstance(value, dict):  # YAML {pickscore: 1.0, clip: 0.5}
+            if path == "reward.name" and isinstance(value, dict):  # {pickscore: 1.0, clip: 0.5}
                 return format_reward_spec(parse_reward_spec(value))
             if isinstance(value, list):  # YAML `chunks: [2, 3, 4, 7]`
                 return ",".join(str(v) for v in value)
+            if isinstance(value, dict):
+                raise ValueError(value)
             return str(value)
         if typing.get_origin(typ) is list:
             if isinstance(value, str):
                 value = [v.strip() for v in value.split(",") if v.strip()]
             return [str(v) for v in value]
     except RewardSpecError as err:
-        raise ConfigError(f"{key}: {err}") from None
+        raise ConfigError(f"{name}: {err}") from None
     except (TypeError, ValueError):
         pass
-    raise ConfigError(f"{key} expects {getattr(typ, '__name__', typ)}, got {value!r}")
+    raise ConfigError(f"{name} expects {getattr(typ, '__name__', typ)}, got {value!r}")
 
+
+def flat_keys(data: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A flat, dotted or nested mapping keyed by the flat alias of each setting (for code that
+    keeps override dicts by those names, e.g. the ablation's)."""
+    flat_of = {path: flat for flat, path in FLAT_ALIASES.items()}
+    return {flat_of[path]: value for path, (_, value) in _canonical(data, where).items()}
+
+
+# ----------------------------------------------------------------------------- YAML
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """A YAML mapping; a missing, undecodable or malformed file is a ConfigError naming the file
@@ -397,52 +472,78 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def build_config(yaml_path: str | Path | None = None,
-                 overrides: dict[str, Any] | None = None) -> TrainConfig:
-    """Defaults, then the YAML file, then overrides; validated."""
-    values: dict[str, Any] = {}
-    for source, data in ((str(yaml_path), load_yaml(yaml_path) if yaml_path else {}),
-                         ("the overrides", overrides or {})):
-        for key, value in data.items():
-            key = key.replace("-", "_")
-            if key not in _FIELDS:
-                raise _unknown_key(key, source)
-            values[key] = coerce(key, value)
-    return TrainConfig(**values).validate()
+                 overrides: Mapping[str, Any] | None = None) -> TrainConfig:
+    """Defaults, then the YAML file, then overrides (keys flat, dotted or nested); validated."""
+    cfg, names = TrainConfig(), {}
+    for where, data in ((str(yaml_path), load_yaml(yaml_path) if yaml_path else {}),
+                        ("the overrides", overrides or {})):
+        for path, (name, value) in _canonical(data, where).items():
+            section, leaf = path.split(".")
+            setattr(getattr(cfg, section), leaf, coerce(path, value, name))
+            names[path] = name
+    return cfg.validate(names)
 
 
 def save_config(cfg: TrainConfig, path: str | Path) -> None:
+    """The nested form (one mapping per section); `build_config` reads it back."""
     Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
 def load_saved_config(path: str | Path) -> TrainConfig:
+    """A run's config.yaml, nested or the flat form of earlier versions."""
     return build_config(path)
 
 
+# ----------------------------------------------------------------------------- flags
+
 def parse_args(argv: list[str] | None = None, prog: str = "python -m chunk_grpo.train"
                ) -> tuple[str | None, dict[str, Any], str | None]:
-    """Parse ``python -m chunk_grpo.train`` arguments: (YAML path, overrides, resume dir)."""
+    """Parse ``python -m chunk_grpo.train`` arguments: (YAML path, overrides, resume dir). The
+    overrides are keyed as written (``optim.lr`` or its alias ``lr``) for the messages; a
+    setting given under two names is an error."""
     parser = OneLineArgumentParser(
-        prog=prog, allow_abbrev=False,
+        prog=prog, allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Chunk-GRPO fine-tuning of a flow-matching text-to-image model. With no "
-                    "arguments: the embedded tiny FLUX on the shapes reward (CPU).")
+                    "arguments: the embedded tiny FLUX on the shapes reward (CPU).\n\n"
+                    "Every setting is --section.key VALUE (or --section.key=VALUE), listed by "
+                    "section below;\nthe flat names of earlier versions (--lr, --group-size) "
+                    "are aliases, shown beside each.")
     parser.add_argument("--config", help="YAML preset, e.g. configs/flux_dev_hpsv3.yaml")
     parser.add_argument("--resume", metavar="DIR",
                         help="run directory to continue (its saved config is the base; flags "
                              "given here override it)")
     parser.add_argument("--verbose", action="store_true",
                         help="show third-party warnings and progress bars (hidden by default)")
-    for name, f in _FIELDS.items():
-        flag = "--" + name.replace("_", "-")
-        aliases = [flag] if "_" not in name else [flag, "--" + name]
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        parser.add_argument(*aliases, dest=name, default=argparse.SUPPRESS, metavar="VALUE",
-                            help=f"default: {default!r}")
+    alias_of = {path: flat for flat, path in FLAT_ALIASES.items()}
+    defaults = TrainConfig()
+    for section, cls in SECTIONS.items():
+        group = parser.add_argument_group(f"{section}", (cls.__doc__ or "").strip())
+        for path in (p for p in PATHS if p.startswith(section + ".")):
+            alias = alias_of[path]
+            group.add_argument(f"--{path}", dest=path, default=argparse.SUPPRESS, metavar="VALUE",
+                               help=f"default {defaults.get(path)!r}; alias "
+                                    f"--{alias.replace('_', '-')}")
+            _add_hidden(parser, path, [f"--{path.replace('_', '-')}"])
+            _add_hidden(parser, alias, [f"--{alias.replace('_', '-')}", f"--{alias}"])
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         key = unknown[0].lstrip("-").split("=")[0].replace("-", "_")
         raise _unknown_key(key, "the command line")
-    overrides = {k: v for k, v in vars(args).items()
-                 if k not in ("config", "resume", "verbose")}
+    overrides = {k: v for k, v in vars(args).items() if k not in ("config", "resume", "verbose")}
+    given: dict[str, str] = {}
+    for key in overrides:
+        path = resolve_key(key, "the command line")
+        if path in given:
+            raise ConfigError(f"{path} is given twice on the command line (as "
+                              f"--{given[path]} and --{key}); give it once")
+        given[path] = key
     if args.config and args.resume:
         raise ConfigError("give either --config or --resume: a resumed run uses its saved config")
     return args.config, overrides, args.resume
+
+
+def _add_hidden(parser: argparse.ArgumentParser, dest: str, flags: list[str]) -> None:
+    """Extra spellings of a flag, accepted but not listed in --help."""
+    new = [f for f in dict.fromkeys(flags) if f not in parser._option_string_actions]
+    if new:
+        parser.add_argument(*new, dest=dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS)

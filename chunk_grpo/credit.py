@@ -91,6 +91,6 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
 
 
 if __name__ == "__main__":
-    from chunk_grpo.config import run_cli
+    from chunk_grpo.cli import run_cli
 
     run_cli(main, "chunk_grpo.credit")

@@ -30,8 +30,9 @@ from pathlib import Path
 import torch
 
 from chunk_grpo import distributed as D
+from chunk_grpo.cli import run_cli
 from chunk_grpo.cli_args import gradient_snr_parser
-from chunk_grpo.config import ConfigError, TrainConfig, build_config, parse_args, run_cli
+from chunk_grpo.config import ConfigError, TrainConfig, build_config, parse_args
 
 
 def snr_statistics(grads: torch.Tensor) -> dict[str, float]:

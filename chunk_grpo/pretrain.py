@@ -216,6 +216,6 @@ def run(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    from chunk_grpo.config import run_cli
+    from chunk_grpo.cli import run_cli
 
     run_cli(main, "chunk_grpo.pretrain")

@@ -44,14 +44,13 @@ from chunk_grpo.checkpoint import (
     save_checkpoint,
 )
 from chunk_grpo.chunking import ChunkLayout, parse_chunk_spec, select_chunks
+from chunk_grpo.cli import run_cli
 from chunk_grpo.config import (
     ConfigError,
     RunInterrupted,
     TrainConfig,
     build_config,
-    load_yaml,
     parse_args,
-    run_cli,
     save_config,
 )
 from chunk_grpo.metrics import MetricsLogger, reward_captions, save_image_grid
@@ -306,7 +305,7 @@ def finish_summary(tr: Trainer, iterations: int, minutes: float, model_dir: Path
     base = tr.base_evals.get(tr.cfg.final_eval_images)
     comparisons = [] if base is None else [
         Comparison.of(name, base, res) for name, res in tr.final_evals.items()]
-    text = summary_text(run_dir=tr.run_dir, reward=tr.cfg.reward, comparisons=comparisons,
+    text = summary_text(run_dir=tr.run_dir, reward=tr.cfg.reward.name, comparisons=comparisons,
                         iterations=iterations, minutes=minutes,
                         hybrid_steps=tr.cfg.eval_hybrid_steps, model_dir=model_dir)
     save_summary(tr.run_dir, text, comparisons)
@@ -327,7 +326,7 @@ def read_prompt_sets(cfg: TrainConfig) -> dict[str, PromptSet]:
     sets = {}
     for key in ("train_prompts", "eval_prompts"):
         try:
-            sets[key] = load_prompt_set(getattr(cfg, key))
+            sets[key] = load_prompt_set(cfg.get(key))
         except ConfigError as err:
             raise ConfigError(f"{key}: {err}") from None
     return sets
@@ -364,9 +363,9 @@ def load_policy(cfg: TrainConfig, device: torch.device):
     from chunk_grpo.models import FluxPolicy
     from chunk_grpo.models.sampling_defaults import apply_sampling_size
 
-    policy = FluxPolicy.from_pretrained(_model_path(cfg.model), device=device)
+    policy = FluxPolicy.from_pretrained(_model_path(cfg.model.name), device=device)
     try:
-        apply_sampling_size(policy, cfg.height, cfg.width, source=_model_path(cfg.model),
+        apply_sampling_size(policy, cfg.height, cfg.width, source=_model_path(cfg.model.name),
                             found_file=policy.sampling_file_found,
                             how="height and width (--height H --width W, or in the YAML)")
     except ValueError as err:
@@ -381,7 +380,7 @@ def resolve_layout(cfg: TrainConfig, policy, run_dir: Path, info: D.DistInfo
     if cfg.algorithm == "g2rpo":
         layout = ChunkLayout((1,) * cfg.num_trained)
     else:
-        layout = parse_chunk_spec(cfg.chunks, cfg.num_trained, cfg.chunk_size)
+        layout = parse_chunk_spec(cfg.chunks.spec, cfg.num_trained, cfg.chunk_size)
     curve = None
     if layout is None or cfg.weighted_chunks:
         prompts = _prompt_list(cfg.train_prompts)[:cfg.profile_prompts]
@@ -408,7 +407,7 @@ def resolve_reward(cfg: TrainConfig, device: torch.device | None = None) -> Rewa
     where = torch.device(cfg.reward_device or device or "cpu")
     dtype = torch.bfloat16 if where.type == "cuda" else torch.float32
     try:
-        return build_reward(cfg.reward, device=where, dtype=dtype,
+        return build_reward(cfg.reward.name, device=where, dtype=dtype,
                             batch_size=cfg.reward_batch_size)
     except RewardError:
         raise
@@ -444,7 +443,7 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, info: D.DistInfo,
     """Everything an iteration needs; ``reward_fn`` and ``policy`` are built from the config
     unless given."""
     reward_fn = resolve_reward(cfg, info.device) if reward_fn is None else as_reward_mix(
-        reward_fn, cfg.reward)
+        reward_fn, cfg.reward.name)
     if policy is None:
         policy = load_checked_policy(cfg, info.device)
     if layout is None:
@@ -680,8 +679,8 @@ def main(argv: list[str] | None = None) -> Path:
         run_dir = Path(resume)
         if not (run_dir / "config.yaml").is_file():
             raise ConfigError(f"--resume {resume}: no config.yaml there; give the run directory")
-        saved = load_yaml(run_dir / "config.yaml")
-        cfg = build_config(None, {**saved, **overrides})
+        # The saved config (nested, or flat from an earlier version), then the flags.
+        cfg = build_config(run_dir / "config.yaml", overrides)
         return run(cfg, run_dir=run_dir, resume=True)
     # No --config: the dataclass defaults, which configs/default.yaml spells out.
     return run(build_config(yaml_path, overrides))

@@ -12,7 +12,8 @@ from trainer_utils import tiny_model_dir
 
 from chunk_grpo import ablate
 from chunk_grpo.chunking import parse_chunk_spec
-from chunk_grpo.config import ConfigError, RunInterrupted, run_cli
+from chunk_grpo.cli import run_cli
+from chunk_grpo.config import ConfigError, RunInterrupted
 from chunk_grpo.metrics import read_metrics
 
 
@@ -49,15 +50,15 @@ def test_cells_give_the_intended_chunk_layouts(num_steps, expected):
     cfgs = {name: ablate.cell_config(base, cell, seed=1, minutes=2.0)
             for name, cell in ablate.CELLS.items()}
     for name, sizes in expected.items():
-        layout = parse_chunk_spec(cfgs[name].chunks, cfgs[name].num_trained,
+        layout = parse_chunk_spec(cfgs[name].chunks.spec, cfgs[name].num_trained,
                                   cfgs[name].chunk_size)
         assert layout.sizes == sizes, name
     for cfg in cfgs.values():  # the ablation's base: every step stochastic, the budget, the seed
         assert cfg.sde_window == 0 and cfg.max_minutes == 2.0 and cfg.seed == 1
         assert cfg.max_steps == ablate.TIME_LIMITED_MAX_STEPS and cfg.eval_hybrid_steps == 0
-    assert cfgs["auto"].chunks == "auto" and cfgs["auto"].chunk_size is None
+    assert cfgs["auto"].chunks.spec == "auto" and cfgs["auto"].chunk_size is None
     assert not cfgs["auto"].weighted_chunks and cfgs["auto"].chunk_fraction == 1.0
-    assert cfgs["auto-ws"].chunks == "auto" and cfgs["auto-ws"].weighted_chunks
+    assert cfgs["auto-ws"].chunks.spec == "auto" and cfgs["auto-ws"].weighted_chunks
     assert cfgs["auto-ws"].chunk_fraction == 0.5
     assert cfgs["g2rpo"].algorithm == "g2rpo"
     assert {c.algorithm for n, c in cfgs.items() if n != "g2rpo"} == {"chunk_grpo"}

@@ -19,8 +19,9 @@ from chunk_grpo.checkpoint import (
     latest_checkpoint,
     save_checkpoint,
 )
+from chunk_grpo.cli import run_command
 from chunk_grpo.cli_args import quiet_third_party
-from chunk_grpo.config import ConfigError, build_config, load_yaml, run_command
+from chunk_grpo.config import ConfigError, build_config, load_yaml
 from chunk_grpo.models.sampling_defaults import CONFIG_NAME
 from chunk_grpo.run_lock import RunLock
 from chunk_grpo.shapes import HELDOUT_PROMPTS_FILE

@@ -6,7 +6,7 @@ import torch
 from trainer_utils import tiny_config, tiny_model_dir
 
 from chunk_grpo.checkpoint import latest_checkpoint, load_checkpoint
-from chunk_grpo.config import run_command
+from chunk_grpo.cli import run_command
 from chunk_grpo.metrics import read_metrics
 from chunk_grpo.rewards import RewardOutputError, register_reward
 from chunk_grpo.rewards.outputs import call_reward, check_reward_output

@@ -16,7 +16,8 @@ import torch
 from trainer_utils import tiny_config, tiny_model_dir
 
 from chunk_grpo.checkpoint import latest_checkpoint
-from chunk_grpo.config import ConfigError, build_config, run_command
+from chunk_grpo.cli import run_command
+from chunk_grpo.config import ConfigError, build_config
 from chunk_grpo.metrics import read_metrics
 from chunk_grpo.reward_server import serve
 from chunk_grpo.rewards import RemoteReward, RewardUnavailableError, build_reward

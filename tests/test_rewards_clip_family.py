@@ -10,7 +10,7 @@ import torch
 from reward_models_tiny import OPENAI_MEAN, OPENAI_STD, save_aesthetic_head, save_tiny_clip
 from transformers import AutoTokenizer, CLIPModel
 
-from chunk_grpo.config import run_cli
+from chunk_grpo.cli import run_cli
 from chunk_grpo.rewards import RewardLoadError, get_reward
 from chunk_grpo.rewards.pickscore import PICKSCORE_PROCESSOR
 

@@ -17,7 +17,7 @@ def test_default_preset_is_the_dataclass_default():
 def test_flux_preset_has_the_papers_settings():
     cfg = build_config(CONFIGS / "flux_dev_hpsv3.yaml")
     assert (cfg.num_steps, cfg.shift, cfg.eta, cfg.group_size) == (17, 3.0, 0.7, 12)
-    assert cfg.chunks == "2,3,4,7" and cfg.chunk_fraction == 0.5
+    assert cfg.chunks.spec == "2,3,4,7" and cfg.chunk_fraction == 0.5
     assert (cfg.lr, cfg.clip_low, cfg.clip_high, cfg.max_grad_norm) == (1e-5, 5e-5, 5e-5, 0.01)
     assert (cfg.height, cfg.width, cfg.max_steps) == (720, 720, 150)
     assert cfg.mixed_precision == "bf16" and cfg.gradient_checkpointing
@@ -34,9 +34,9 @@ def test_cli_overrides_yaml_and_types(tmp_path):
                                   "num_steps": 16, "sde_window": 0}))
     cfg = build_config(yml, overrides)
     assert cfg.group_size == 6 and cfg.lr == 0.5 and cfg.clip_low == 1e-3
-    assert cfg.chunks == "7,8" and cfg.cfg_scale is None and cfg.shared_noise is True
+    assert cfg.chunks.spec == "7,8" and cfg.cfg_scale is None and cfg.shared_noise is True
     assert cfg.lora_targets == ["to_q", "to_v"]
-    assert build_config(yml).chunks == "2,3,4,6"  # a YAML list becomes the spec string
+    assert build_config(yml).chunks.spec == "2,3,4,6"  # a YAML list becomes the spec string
 
 
 def test_saved_config_round_trips(tmp_path):

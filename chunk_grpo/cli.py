@@ -1,0 +1,68 @@
+"""The commands' runner: a known error is one line on stderr and exit status 2, Ctrl-C is 130.
+
+Every ``python -m chunk_grpo.<command>`` ends with ``run_cli(main, "chunk_grpo.<command>")``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from chunk_grpo.cli_args import quiet_third_party
+from chunk_grpo.errors import ConfigError, RunInterrupted
+
+
+def run_command(main: Callable[[], object], prog: str,
+                errors: tuple[type[Exception], ...] | Callable[[], tuple] = ()) -> None:
+    """Run a command-line entry point: a ConfigError (or one of ``errors``, e.g. a model that
+    cannot be loaded) prints one line and exits with status 2, as argparse does for bad flags,
+    instead of a traceback (its message already says the fix). Ctrl-C prints one line and exits
+    with status 130, the shell's convention for SIGINT. ``errors`` may be a function returning
+    the classes, imported only when an error happens (they live in heavy modules)."""
+    try:
+        main()
+    except (KeyboardInterrupt, RunInterrupted) as err:
+        why = _one_line(err) if isinstance(err, RunInterrupted) else "interrupted (Ctrl-C)"
+        sys.stderr.write(f"{prog}: {why}\n")
+        raise SystemExit(130) from None
+    except Exception as err:
+        kinds = errors() if callable(errors) else errors
+        if not isinstance(err, (ConfigError, *kinds)):
+            raise
+        sys.stderr.write(f"{prog}: error: {_one_line(err)}\n")
+        raise SystemExit(2) from None
+
+
+def _one_line(err: BaseException) -> str:
+    """The error's message on one line (some messages carry a hint on a second line)."""
+    return " ".join(str(err).split("\n"))
+
+
+def run_cli(main: Callable[[], object], module: str) -> None:
+    """The ``__main__`` of ``python -m module``: `run_command` with every error a command reports
+    in one line (a bad configuration or input file, a model or reward that cannot be loaded, an
+    unknown reward, a bad reward spec or output, a damaged checkpoint, a locked run directory,
+    a full disk)."""
+    quiet_third_party("--verbose" in sys.argv[1:])
+
+    run_command(main, f"python -m {module}", errors=_loaded_one_line_errors)
+
+
+# Errors reported in one line besides ConfigError, by module: looked up only among the modules
+# already imported (an error can only come from a loaded module), so that reporting a bad flag
+# never imports diffusers.
+_ONE_LINE_ERRORS = (
+    ("chunk_grpo.models.loading", "ModelLoadError"),
+    ("chunk_grpo.rewards.registry", "UnknownRewardError"),
+    ("chunk_grpo.rewards.registry", "RewardLoadError"),
+    ("chunk_grpo.reward_spec", "RewardSpecError"),
+    ("chunk_grpo.rewards.outputs", "RewardError"),
+    ("chunk_grpo.checkpoint", "CheckpointError"),
+    ("chunk_grpo.checkpoint", "DiskFullError"),
+    ("chunk_grpo.run_lock", "RunLockedError"),
+)
+
+
+def _loaded_one_line_errors() -> tuple[type[Exception], ...]:
+    return tuple(getattr(sys.modules[module], name) for module, name in _ONE_LINE_ERRORS
+                 if module in sys.modules)

@@ -1,0 +1,143 @@
+"""The configuration's value checks: every value in its range and the values consistent.
+
+Run by `TrainConfig.validate` after a configuration is built; torch-free (the commands check
+their flags before loading a model). Each message names the key as the user wrote it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from chunk_grpo.errors import ConfigError
+from chunk_grpo.reward_spec import RewardSpecError, parse_reward_spec
+from chunk_grpo.specs import ChunkSpecError, GranularityError, chunk_sizes, parse_granularities
+
+if TYPE_CHECKING:
+    from chunk_grpo.config import TrainConfig
+
+_CHOICES = {
+    "sampling.algorithm": ("chunk_grpo", "g2rpo"),
+    "sampling.sde": ("flow", "dance", "cps", "cps_mse"),
+    "sampling.decode": ("final", "x0"),
+    "loss.adv_norm": ("group", "global", "none"),
+    "reward.mix_advantage": ("total", "per_reward"),
+    "loss.kl_ref": ("old", "reference"),
+    "optim.name": ("adamw", "adamw8bit"),
+    "optim.schedule": ("constant", "cosine"),
+    "model.mixed_precision": ("auto", "no", "bf16"),
+    "model.attention_backend": ("auto", "native", "flash"),
+    "run.device": ("auto", "cpu", "cuda"),
+    "parallel.mode": ("ddp", "fsdp", "none"),
+    "model.weights_dtype": ("auto", "fp32", "bf16"),
+    "model.text_encoders": ("keep", "cache", "cpu"),
+}
+_AT_LEAST_ONE = ("sampling.steps", "sampling.group_size", "sampling.prompts_per_step",
+                 "sampling.batch_size", "optim.micro_batch_size", "optim.ppo_epochs",
+                 "chunks.profile_prompts", "chunks.max_size", "eval.images", "eval.final_images",
+                 "run.log_every", "run.keep_checkpoints", "run.max_bad_steps")
+_AT_LEAST_ZERO = ("run.max_steps", "optim.grad_accum", "optim.warmup_steps", "eval.every",
+                  "run.checkpoint_every", "run.image_grid_every", "model.lora_rank",
+                  "eval.hybrid_steps", "sampling.sde_window", "reward.batch_size")
+_POSITIVE = ("optim.lr", "optim.max_grad_norm", "optim.eps", "loss.adv_eps", "sampling.shift",
+             "model.lora_alpha")  # or None where allowed
+_NON_NEGATIVE = ("optim.weight_decay", "loss.kl_coef", "sampling.cfg_scale", "model.guidance")
+
+
+def check_config(cfg: TrainConfig, name: Callable[[str], str]) -> None:
+    """Every value in its range and the values consistent; ``name(path)`` names a key."""
+    s, lo = cfg.sampling, cfg.loss
+    for path, allowed in _CHOICES.items():
+        if cfg.get(path) not in allowed:
+            raise ConfigError(f"{name(path)} must be one of {', '.join(allowed)}; "
+                              f"got {cfg.get(path)!r}")
+    for low, paths in ((1, _AT_LEAST_ONE), (0, _AT_LEAST_ZERO)):
+        for path in paths:
+            if cfg.get(path) < low:
+                raise ConfigError(f"{name(path)} must be >= {low}, got {cfg.get(path)}")
+    if s.steps < 2:
+        raise ConfigError(f"{name('sampling.steps')} must be >= 2 (the last step is not "
+                          f"trained), got {s.steps}")
+    if s.group_size < 2 and lo.adv_norm != "none":
+        raise ConfigError(f"{name('sampling.group_size')} must be >= 2 for group advantages; "
+                          f"set {name('loss.adv_norm')}: none for single samples")
+    if s.antithetic_noise and s.group_size % 2:
+        raise ConfigError(f"{name('sampling.antithetic_noise')} pairs the images of a group: "
+                          f"{name('sampling.group_size')} must be even, got {s.group_size}")
+    if not 0.0 < cfg.chunks.fraction <= 1.0:
+        raise ConfigError(f"{name('chunks.fraction')} must be in (0, 1], got "
+                          f"{cfg.chunks.fraction}")
+    if cfg.chunks.size is not None and cfg.chunks.size < 1:
+        raise ConfigError(f"{name('chunks.size')} must be >= 1, got {cfg.chunks.size}")
+    if not s.eta >= 0.0:
+        raise ConfigError(f"{name('sampling.eta')} must be >= 0, got {s.eta}")
+    if s.eta == 0.0:
+        raise ConfigError(f"{name('sampling.eta')} must be > 0 for training: an SDE step with "
+                          "no noise has no log-probability")
+    if lo.clip_low < 0 or lo.clip_high < 0 or lo.clip_low >= 1:
+        raise ConfigError(f"{name('loss.clip_low')} must be in [0, 1) and "
+                          f"{name('loss.clip_high')} >= 0, got {lo.clip_low}, {lo.clip_high}")
+    if lo.adv_clip_max is not None and lo.adv_clip_max <= 0:
+        raise ConfigError(f"{name('loss.adv_clip_max')} must be > 0 or null, got "
+                          f"{lo.adv_clip_max}")
+    _check_numbers(cfg, name)
+    if not 0.0 <= cfg.optim.ema_decay < 1.0:
+        raise ConfigError(f"{name('optim.ema_decay')} must be in [0, 1), got "
+                          f"{cfg.optim.ema_decay}")
+    if lo.kl_ref == "reference" and lo.kl_coef > 0 and cfg.model.lora_rank == 0:
+        raise ConfigError(f"{name('loss.kl_ref')}: reference needs LoRA "
+                          f"({name('model.lora_rank')} > 0): the reference model is the base "
+                          "with the adapters disabled")
+    if cfg.run.max_minutes < 0:
+        raise ConfigError(f"{name('run.max_minutes')} must be >= 0")
+    _check_specs(cfg, name)
+
+
+def _check_numbers(cfg: TrainConfig, name: Callable[[str], str]) -> None:
+    """Every float finite (``lr: nan`` or ``--lr inf`` would train NaN weights), and each in
+    its range."""
+    for section, values in dataclasses.asdict(cfg).items():
+        for key, value in values.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{name(f'{section}.{key}')} must be a finite number, got "
+                                  f"{value}")
+    for paths, bad, rule in ((_POSITIVE, lambda v: v <= 0, "> 0"),
+                             (_NON_NEGATIVE, lambda v: v < 0, ">= 0")):
+        for path in paths:
+            value = cfg.get(path)
+            if value is not None and bad(value):
+                raise ConfigError(f"{name(path)} must be {rule}, got {value}")
+    for path in ("optim.beta1", "optim.beta2"):
+        if not 0.0 <= cfg.get(path) < 1.0:
+            raise ConfigError(f"{name(path)} must be in [0, 1), got {cfg.get(path)}")
+    for path in ("model.height", "model.width"):
+        value = cfg.get(path)
+        if value is not None and value < 16:
+            raise ConfigError(f"{name(path)} must be >= 16 pixels or null (the model's size), "
+                              f"got {value}")
+
+
+def _check_specs(cfg: TrainConfig, name: Callable[[str], str]) -> None:
+    """The string settings parse: the reward spec, the device, the chunks, the granularities."""
+    try:
+        parse_reward_spec(cfg.reward.name)
+    except RewardSpecError as err:
+        raise ConfigError(f"{name('reward.name')}: {err}") from None
+    if not re.fullmatch(r"|cpu|cuda(:\d+)?", cfg.reward.device):
+        raise ConfigError(f"{name('reward.device')} must be '' (the trainer's device), cpu, "
+                          f"cuda or cuda:N; got {cfg.reward.device!r}")
+    try:
+        chunk_sizes(cfg.chunks.spec, cfg.num_trained, cfg.chunks.size)
+    except ChunkSpecError as err:
+        raise ConfigError(f"{name('chunks.spec')}: {err}") from None
+    try:
+        parse_granularities(cfg.sampling.g2rpo_granularities)
+    except GranularityError as err:
+        raise ConfigError(f"{name('sampling.g2rpo_granularities')}: {err}") from None
+    if cfg.sampling.algorithm == "g2rpo" and not cfg.sampling.shared_noise:
+        raise ConfigError(f"{name('sampling.algorithm')} g2rpo branches one ODE trajectory per "
+                          f"prompt, so the group shares its initial noise: set "
+                          f"{name('sampling.shared_noise')}: true")

@@ -1,0 +1,75 @@
+"""The string specs of the configuration, parsed without torch: chunk sizes and G2RPO strides.
+
+`chunk_grpo.config` checks these before any model loads (a command answers a bad flag before it
+imports torch); `chunk_grpo.chunking` and `chunk_grpo.branching` build on the same parsers.
+"""
+
+from __future__ import annotations
+
+
+class ChunkSpecError(ValueError):
+    """An invalid chunk specification; the message says what is allowed."""
+
+
+class GranularityError(ValueError):
+    """An invalid list of finishing granularities."""
+
+
+def trained_transitions(num_steps: int, sde_window: int = 0) -> int:
+    """W, the transitions with a trained log-prob: the SDE steps, never the last step into 0.
+
+    sde_window 0: every step is stochastic (W = T - 1). sde_window k: the first k steps are
+    stochastic and the rest deterministic ODE steps (W = min(k, T - 1)).
+    """
+    if sde_window < 0:
+        raise ValueError(f"sde_window must be >= 0, got {sde_window}")
+    return num_steps - 1 if sde_window == 0 else min(sde_window, num_steps - 1)
+
+
+def chunk_sizes(spec: str, num_trained: int, chunk_size: int | None = None
+                ) -> tuple[int, ...] | None:
+    """The chunk sizes for ``num_trained`` transitions, or None for "auto" (needs the profile).
+
+    spec: "2,3,4,7" (sizes summing to num_trained), "step", "sequence" or "auto".
+    chunk_size: fixed-size chunks (the last one takes the remainder); overrides spec.
+    """
+    if num_trained < 1:
+        raise ChunkSpecError(f"need at least one trained transition, got {num_trained}")
+    if chunk_size is not None:
+        if chunk_size < 1:
+            raise ChunkSpecError(f"chunk_size must be >= 1, got {chunk_size}")
+        full, rest = divmod(num_trained, chunk_size)
+        return tuple([chunk_size] * full + ([rest] if rest else []))
+    text = str(spec).strip().lower()
+    if text == "auto":
+        return None
+    if text == "step":
+        return (1,) * num_trained
+    if text == "sequence":
+        return (num_trained,)
+    try:
+        sizes = tuple(int(p) for p in text.replace(" ", "").split(","))
+    except ValueError:
+        raise ChunkSpecError(
+            f"chunks must be 'auto', 'step', 'sequence' or comma-separated sizes like "
+            f"'2,3,4,7', got {spec!r}") from None
+    if any(s < 1 for s in sizes):
+        raise ChunkSpecError(f"chunk sizes must be >= 1, got {spec!r}")
+    if sum(sizes) != num_trained:
+        raise ChunkSpecError(
+            f"chunk sizes {spec!r} sum to {sum(sizes)} but there are {num_trained} trained "
+            f"transitions (num_steps - 1, or sde_window); make them sum to {num_trained}")
+    return sizes
+
+
+def parse_granularities(spec: str) -> tuple[int, ...]:
+    """"1,2" -> (1, 2): distinct positive ODE strides for the finishes, the first one stored."""
+    try:
+        values = tuple(int(s) for s in str(spec).split(",") if s.strip())
+    except ValueError:
+        raise GranularityError(f"granularities must be comma-separated integers such as '1,2', "
+                               f"got {spec!r}") from None
+    if not values or any(v < 1 for v in values) or len(set(values)) != len(values):
+        raise GranularityError(f"granularities must be distinct integers >= 1 such as '1,2', "
+                               f"got {spec!r}")
+    return values
