@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 
 from chunk_grpo.cli_args import OneLineArgumentParser
-from chunk_grpo.config_checks import check_config
+from chunk_grpo.config_checks import CHOICES, check_config
 from chunk_grpo.errors import ConfigError as ConfigError  # re-exported: raised by every module
 from chunk_grpo.errors import RunInterrupted as RunInterrupted  # re-exported
 from chunk_grpo.reward_spec import RewardSpecError, format_reward_spec, parse_reward_spec
@@ -502,7 +502,10 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m chunk_grpo.
     overrides are keyed as written (``optim.lr`` or its alias ``lr``) for the messages; a
     setting given under two names is an error."""
     parser = OneLineArgumentParser(
-        prog=prog, allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=prog, allow_abbrev=False,
+        formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(
+            prog, max_help_position=46, width=100),
+        usage="%(prog)s [--config YAML | --resume DIR] [--section.key VALUE ...]",
         description="Chunk-GRPO fine-tuning of a flow-matching text-to-image model. With no "
                     "arguments: the embedded tiny FLUX on the shapes reward (CPU).\n\n"
                     "Every setting is --section.key VALUE (or --section.key=VALUE), listed by "
@@ -520,9 +523,10 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m chunk_grpo.
         group = parser.add_argument_group(f"{section}", (cls.__doc__ or "").strip())
         for path in (p for p in PATHS if p.startswith(section + ".")):
             alias = alias_of[path]
-            group.add_argument(f"--{path}", dest=path, default=argparse.SUPPRESS, metavar="VALUE",
-                               help=f"default {defaults.get(path)!r}; alias "
-                                    f"--{alias.replace('_', '-')}")
+            choices = f"{'|'.join(CHOICES[path])}, " if path in CHOICES else ""
+            group.add_argument(f"--{path}", dest=path, default=argparse.SUPPRESS, metavar="V",
+                               help=f"{choices}default {defaults.get(path)!r} "
+                                    f"(alias --{alias.replace('_', '-')})")
             _add_hidden(parser, path, [f"--{path.replace('_', '-')}"])
             _add_hidden(parser, alias, [f"--{alias.replace('_', '-')}", f"--{alias}"])
     args, unknown = parser.parse_known_args(argv)

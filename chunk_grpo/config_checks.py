@@ -19,7 +19,7 @@ from chunk_grpo.specs import ChunkSpecError, GranularityError, chunk_sizes, pars
 if TYPE_CHECKING:
     from chunk_grpo.config import TrainConfig
 
-_CHOICES = {
+CHOICES = {
     "sampling.algorithm": ("chunk_grpo", "g2rpo"),
     "sampling.sde": ("flow", "dance", "cps", "cps_mse"),
     "sampling.decode": ("final", "x0"),
@@ -50,7 +50,7 @@ _NON_NEGATIVE = ("optim.weight_decay", "loss.kl_coef", "sampling.cfg_scale", "mo
 def check_config(cfg: TrainConfig, name: Callable[[str], str]) -> None:
     """Every value in its range and the values consistent; ``name(path)`` names a key."""
     s, lo = cfg.sampling, cfg.loss
-    for path, allowed in _CHOICES.items():
+    for path, allowed in CHOICES.items():
         if cfg.get(path) not in allowed:
             raise ConfigError(f"{name(path)} must be one of {', '.join(allowed)}; "
                               f"got {cfg.get(path)!r}")

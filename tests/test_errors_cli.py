@@ -42,6 +42,9 @@ def _cli(args: list[str], tmp_path: Path, timeout: float = 120) -> subprocess.Co
     (["chunk_grpo.train", "--lerning-rate", "1"], "unknown config key 'lerning_rate'"),
     (["chunk_grpo.train", "--chunks", "-1,4"], "chunks: chunk sizes must be >= 1"),
     (["chunk_grpo.train", "--lr", "nan"], "lr must be a finite number"),
+    (["chunk_grpo.train", "--optim.lr=nan"], "optim.lr must be a finite number"),
+    (["chunk_grpo.train", "--optim.lrr", "1"], "'optim.lrr' in the command line; did you mean "
+                                               "'optim.lr'?"),
     (["chunk_grpo.evaluate", "--images-per-prompt", "0"], "--images-per-prompt: must be >= 1"),
     (["chunk_grpo.evaluate", "--batch-size", "0"], "--batch-size: must be >= 1"),
     (["chunk_grpo.evaluate", "--eta", "nan"], "--eta: must be a finite number"),

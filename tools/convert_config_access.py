@@ -12,7 +12,8 @@ build_config(...), load_saved_config(...)):
   - ``cfg.lr`` -> ``cfg.optim.lr`` (reads and writes; ``cfg.model`` -> ``cfg.model.name``, except
     where a section key already follows: ``cfg.model.height`` is left alone);
   - ``getattr(cfg, "lr")`` -> ``cfg.optim.lr``; ``getattr(cfg, key)`` -> ``cfg.get(key)``;
-  - ``dataclasses.replace(cfg, lr=x, **more)`` -> ``cfg.with_changes({"optim.lr": x, **more})``;
+  - ``dataclasses.replace(cfg, lr=x, **more)`` -> ``cfg.with_changes({"optim.lr": x, **more})``
+    (``more``'s flat keys are aliases ``with_changes`` takes);
   - ``TrainConfig(lr=x)`` -> ``TrainConfig().with_changes({"optim.lr": x})``;
   - ``cfg = SimpleNamespace(lr=x, eta=y)`` (a test's stand-in) -> nested namespaces by section;
   - then drops an ``import dataclasses`` left unused.
@@ -36,7 +37,9 @@ from chunk_grpo.config import FLAT_ALIASES, PATHS, SECTIONS  # noqa: E402
 
 DEFAULT_DIRS = ("chunk_grpo", "tests", "benchmarks")
 # Already written in the sectioned form (and the shim's own code).
-SKIP = {Path("chunk_grpo/config.py"), Path("chunk_grpo/config_checks.py")}
+SKIP = {Path("chunk_grpo/config.py"), Path("chunk_grpo/config_checks.py"),
+        Path("tests/test_convert_config_access.py")}  # its examples are the old form on purpose
+SHIM_FILES = {Path("chunk_grpo/config.py"), Path("tests/test_train_config.py")}
 LINE_LENGTH = 100
 RECEIVERS = (r"cfg", r"config", r"base_cfg", r"self\.cfg", r"tr\.cfg", r"trainer\.cfg",
              r"cfgs\[[^\]\n]+\]", r"TrainConfig\(\)", r"build_config\([^()\n]*\)",
@@ -133,7 +136,7 @@ def convert_calls(text: str, names: set[str]) -> str:
             continue
         name, kws = _call_name(node), node.keywords
         flat = [kw.arg for kw in kws if kw.arg is not None]
-        if not flat or not all(k in FLAT_ALIASES for k in flat) or not set(flat) & names:
+        if not kws or not all(k in FLAT_ALIASES for k in flat) or (flat and not set(flat) & names):
             continue
         new = None
         line = text.splitlines()[node.lineno - 1]
@@ -142,12 +145,13 @@ def convert_calls(text: str, names: set[str]) -> str:
         if name in ("dataclasses.replace", "replace") and len(node.args) == 1:
             receiver = ast.get_source_segment(text, node.args[0])
             if _RECEIVER_RE.match(receiver or ""):
-                new = _wrapped(f"{receiver}.with_changes({{", _changes_dict(text, kws), "})",
-                               column, indent)
-        elif name == "TrainConfig" and not node.args:
+                items = _changes_dict(text, kws)
+                new = (f"{receiver}.with_changes({items[0][2:]})" if len(kws) == 1 and not flat
+                       else _wrapped(f"{receiver}.with_changes({{", items, "})", column, indent))
+        elif name == "TrainConfig" and not node.args and flat:
             new = _wrapped("TrainConfig().with_changes({", _changes_dict(text, kws), "})",
                            column, indent)
-        elif name == "SimpleNamespace" and not node.args and all(kw.arg for kw in kws):
+        elif name == "SimpleNamespace" and not node.args and flat and all(kw.arg for kw in kws):
             parent = parents.get(node)
             targets = parent.targets if isinstance(parent, ast.Assign) else []
             if any(isinstance(t, ast.Name) and _RECEIVER_RE.match(t.id) for t in targets):
@@ -186,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{', '.join(DEFAULT_DIRS)} under {ROOT})")
     parser.add_argument("--check", action="store_true", help="list the changes, write nothing")
     parser.add_argument("--remove-shim", action="store_true",
-                        help="also delete the TRANSITION SHIM blocks of chunk_grpo/config.py")
+                        help="also delete the TRANSITION SHIM blocks (config.py and its test)")
     parser.add_argument("--names", help="only these flat names (comma-separated)")
     args = parser.parse_args(argv)
     names = set(args.names.split(",")) if args.names else set(FLAT_ALIASES)
@@ -200,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         rel = path.resolve().relative_to(ROOT) if path.resolve().is_relative_to(ROOT) else path
         old = path.read_text()
         new = old if rel in SKIP else convert(old, names)
-        if args.remove_shim and rel == Path("chunk_grpo/config.py"):
+        if args.remove_shim and rel in SHIM_FILES:
             new = remove_shim(new)
         if new == old:
             continue
@@ -217,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join("    " + d for d in diff))
         else:
             path.write_text(new)
-    print(f"{changed} file(s) {'would change' if args.check else 'changed'}")
+    print(f"{changed} file(s) {'would change' if args.check else 'changed'}"
+          + ("" if args.check else "; now run `ruff check --fix .` (imports left unused)"))
     return 1 if args.check and changed else 0
 
 
