@@ -507,11 +507,12 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m chunk_grpo.
             prog, max_help_position=46, width=100),
         usage="%(prog)s [--config YAML | --resume DIR] [--section.key VALUE ...]",
         description="Chunk-GRPO fine-tuning of a flow-matching text-to-image model. With no "
-                    "arguments: the embedded tiny FLUX on the shapes reward (CPU).\n\n"
+                    "arguments:\nthe embedded tiny FLUX on the shapes reward (CPU).\n\n"
                     "Every setting is --section.key VALUE (or --section.key=VALUE), listed by "
                     "section below;\nthe flat names of earlier versions (--lr, --group-size) "
                     "are aliases, shown beside each.")
-    parser.add_argument("--config", help="YAML preset, e.g. configs/flux_dev_hpsv3.yaml")
+    parser.add_argument("--config", metavar="YAML",
+                        help="YAML preset, e.g. configs/flux_dev_hpsv3.yaml")
     parser.add_argument("--resume", metavar="DIR",
                         help="run directory to continue (its saved config is the base; flags "
                              "given here override it)")
