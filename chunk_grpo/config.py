@@ -322,15 +322,14 @@ def _unknown_key(key: str, where: str) -> ConfigError:
         hint = f"; did you mean section {close[0]!r}?" if close else (
             f"; the sections are {', '.join(SECTIONS)}")
         return ConfigError(f"unknown config section {section!r} (in key {key!r}) in {where}{hint}")
-    elsewhere = [p for p in PATHS if p.endswith("." + leaf)] + (
-        [FLAT_ALIASES[leaf]] if leaf in FLAT_ALIASES else [])
-    if section and elsewhere:  # the right key in the wrong section
-        close = elsewhere[:1]
-    else:
+    # the right key in the wrong section, or a section's key without its section
+    close = list(dict.fromkeys([p for p in PATHS if p.endswith("." + leaf)] + (
+        [FLAT_ALIASES[leaf]] if leaf in FLAT_ALIASES else [])))
+    if not close:
         candidates = [p for p in PATHS if p.startswith(section + ".")] if section else [
             *FLAT_ALIASES, *PATHS]
         close = difflib.get_close_matches(key, candidates, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
+    hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
     return ConfigError(f"unknown config key {key!r} in {where}{hint}")
 
 

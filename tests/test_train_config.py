@@ -318,6 +318,8 @@ def test_a_nested_yaml_takes_sections_dotted_keys_and_aliases(tmp_path):
     ("flag", "--sampling.lr", r"unknown config key 'sampling.lr'.*did you mean 'optim.lr'\?"),
     ("flag", "--optm.lr", r"unknown config section 'optm'.*did you mean section 'optim'\?"),
     ("flag", "--group-sise", r"unknown config key 'group_sise'.*did you mean 'group_size'\?"),
+    ("flag", "--fraction", r"'fraction' in the command line; did you mean 'chunks.fraction'\?"),
+    ("flag", "--run.batch-size", r"did you mean 'reward.batch_size' or 'sampling.batch_size'\?"),
     ("yaml", "optim:\n  lrr: 1\n", r"unknown config key 'optim.lrr' in .*'optim.lr'\?"),
     ("yaml", "chunks.fractoin: 0.5\n", r"'chunks.fractoin'.*did you mean 'chunks.fraction'\?"),
     ("yaml", "optim: 3\n", r"optim in .* is a section: give it a mapping such as `optim: "
