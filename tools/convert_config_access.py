@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         changed += 1
         diff = [d for d in difflib.unified_diff(old.splitlines(), new.splitlines(), lineterm="",
                                                 n=0) if d[:1] in "+-" and d[:3] not in "+++---"]
-        print(f"{rel}: {sum(d.startswith('+') for d in diff)} line(s)"
+        print(f"{rel}: {sum(d.startswith('-') for d in diff)} line(s) rewritten"
               + (f"; longer than {LINE_LENGTH} now, wrap by hand: lines "
                  f"{', '.join(map(str, long_lines))}" if long_lines else ""))
         if args.check:
