@@ -45,7 +45,7 @@ from chunk_grpo.config import (
     parse_args,
     run_cli,
 )
-from chunk_grpo.evaluate import evaluate_policy
+from chunk_grpo.evaluation import evaluate_policy
 from chunk_grpo.metrics import read_metrics
 from chunk_grpo.plots import line_plot
 from chunk_grpo.rewards import get_reward

@@ -24,6 +24,7 @@ import yaml
 
 from chunk_grpo.cli_args import OneLineArgumentParser, quiet_third_party
 from chunk_grpo.reward_spec import RewardSpecError, format_reward_spec, parse_reward_spec
+from chunk_grpo.sampling_options import DECODE_TARGETS, SDE_KINDS, check_antithetic
 
 
 class ConfigError(ValueError):
@@ -200,8 +201,8 @@ class TrainConfig:
     def validate(self) -> TrainConfig:
         """Raise ConfigError for any inconsistent value; returns self."""
         _choice("algorithm", self.algorithm, ("chunk_grpo", "g2rpo"))
-        _choice("sde_kind", self.sde_kind, ("flow", "dance", "cps", "cps_mse"))
-        _choice("decode", self.decode, ("final", "x0"))
+        _choice("sde_kind", self.sde_kind, SDE_KINDS)
+        _choice("decode", self.decode, DECODE_TARGETS)
         _choice("adv_norm", self.adv_norm, ("group", "global", "none"))
         _choice("mix_advantage", self.mix_advantage, ("total", "per_reward"))
         _choice("kl_ref", self.kl_ref, ("old", "reference"))
@@ -230,9 +231,7 @@ class TrainConfig:
         if self.group_size < 2 and self.adv_norm != "none":
             raise ConfigError("group_size must be >= 2 for group advantages; "
                               "set adv_norm: none for single samples")
-        if self.antithetic_noise and self.group_size % 2:
-            raise ConfigError(f"antithetic_noise pairs the images of a group: group_size must be "
-                              f"even, got {self.group_size}")
+        check_antithetic(self.antithetic_noise, self.group_size, error=ConfigError)
         if not 0.0 < self.chunk_fraction <= 1.0:
             raise ConfigError(f"chunk_fraction must be in (0, 1], got {self.chunk_fraction}")
         if self.chunk_size is not None and self.chunk_size < 1:
