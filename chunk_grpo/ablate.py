@@ -46,7 +46,7 @@ from chunk_grpo.config import (
     load_yaml,
     parse_args,
 )
-from chunk_grpo.evaluate import evaluate_policy
+from chunk_grpo.evaluation import evaluate_policy
 from chunk_grpo.metrics import read_metrics
 from chunk_grpo.plots import line_plot
 from chunk_grpo.rewards import get_reward

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from chunk_grpo.rollout import SDE_KINDS, Rollout, denoise
-from chunk_grpo.schedule import flux_sigmas
+from chunk_grpo.rollout import Rollout, decode_images, denoise, prepare_rollout
 from chunk_grpo.specs import GranularityError as GranularityError  # re-exported
 from chunk_grpo.specs import parse_granularities as parse_granularities  # re-exported
 
@@ -41,22 +40,16 @@ def sample_branch_rollouts(policy, prompts: list[str], *, group_size: int, num_s
     ``images`` are the first granularity's.
     ``antithetic_noise`` gives rows 2i and 2i+1 of a group opposite branch noise.
     """
-    if kind not in SDE_KINDS:
-        raise ValueError(f"kind must be one of {SDE_KINDS} for training rollouts, got {kind!r}")
     if not 0 <= branch_step < num_steps - 1:
         raise ValueError(f"branch_step must be in [0, {num_steps - 2}] (the last transition is "
                          f"not trained), got {branch_step}")
-    if antithetic_noise and group_size % 2:
-        raise ValueError(f"antithetic_noise needs an even group_size, got {group_size}")
-    if decode not in ("final", "x0"):
-        raise ValueError(f"decode must be 'final' or 'x0', got {decode!r}")
-    cfg = policy.default_cfg_scale if cfg_scale is None else cfg_scale
-    sigmas = flux_sigmas(num_steps, shift)
+    setup = prepare_rollout(policy, prompts, group_size=group_size, num_steps=num_steps,
+                            shift=shift, kind=kind, cfg_scale=cfg_scale, decode=decode,
+                            antithetic_noise=antithetic_noise)
+    sigmas, cfg, prompt_embeds = setup.sigmas, setup.cfg_scale, setup.prompt_embeds
+    rows, prompt_index = setup.rows, setup.prompt_index
     k = branch_step
     sigma_max = float(sigmas[1])  # the flow kind's s_1 comes from the full schedule
-    prompt_embeds = policy.encode_prompts(list(prompts))
-    rows = len(prompts) * group_size
-    prompt_index = torch.arange(len(prompts)).repeat_interleave(group_size)
     # All draws up front (initial noise per prompt, then the branch noise per row), so results
     # do not depend on batch_size.
     noise = policy.initial_noise(len(prompts), generator).float()
@@ -71,11 +64,9 @@ def sample_branch_rollouts(policy, prompts: list[str], *, group_size: int, num_s
     for start in range(0, len(prompts), batch_size):
         idx = torch.arange(start, min(start + batch_size, len(prompts)))
         embeds = prompt_embeds.index(idx)
-        _, latents, _, _ = denoise([policy, policy], noise[idx], [embeds, embeds],
-                                   sigmas[:k + 1], k, sampler="ode", eta=0.0, cfg_scale=cfg,
-                                   generator=None, mixed_precision=mixed_precision, keep=True,
-                                   sigma_max=sigma_max)
-        prefix.append(latents)
+        prefix.append(denoise(policy, noise[idx], embeds, sigmas[:k + 1], sampler="ode",
+                              eta=0.0, cfg_scale=cfg, mixed_precision=mixed_precision,
+                              keep=True, sigma_max=sigma_max).latents)
     prefix = torch.cat(prefix).repeat_interleave(group_size, 0)  # [B, k+1, N, C]
 
     all_latents, logps = [], []
@@ -84,20 +75,17 @@ def sample_branch_rollouts(policy, prompts: list[str], *, group_size: int, num_s
     first_tail = torch.cat([sigmas[k:k + 1], tail_sigmas(sigmas, k + 1, granularities[0])])
     for start in range(0, rows, batch_size):
         sl = slice(start, start + batch_size)
-        embeds = [prompt_embeds.index(prompt_index[sl])] * 2
-        x_end, path, logp, x0 = denoise(
-            [policy, policy], prefix[sl, k], embeds, first_tail, first_tail.numel() - 1,
-            sampler=kind, eta=eta, cfg_scale=cfg, generator=None,
-            mixed_precision=mixed_precision, keep=True, sde_window=1,
-            step_noise=branch_noise[None, sl], sigma_max=sigma_max)
-        x_next = path[:, 1]
-        finishes[0].append(policy.decode(x0 if decode == "x0" else x_end).float())
+        embeds = prompt_embeds.index(prompt_index[sl])
+        branch = denoise(policy, prefix[sl, k], embeds, first_tail, sampler=kind, eta=eta,
+                         cfg_scale=cfg, mixed_precision=mixed_precision, keep=True,
+                         sde_window=1, step_noise=branch_noise[None, sl], sigma_max=sigma_max)
+        x_next, logp = branch.latents[:, 1], branch.logps
+        finishes[0].append(decode_images(policy, branch, decode))
         for stride, out in zip(granularities[1:], finishes[1:], strict=True):
             tail = tail_sigmas(sigmas, k + 1, stride)
-            x_end, _, _, x0 = denoise([policy, policy], x_next, embeds, tail, tail.numel() - 1,
-                                      sampler="ode", eta=0.0, cfg_scale=cfg, generator=None,
-                                      mixed_precision=mixed_precision, sigma_max=sigma_max)
-            out.append(policy.decode(x0 if decode == "x0" else x_end).float())
+            finish = denoise(policy, x_next, embeds, tail, sampler="ode", eta=0.0,
+                             cfg_scale=cfg, mixed_precision=mixed_precision, sigma_max=sigma_max)
+            out.append(decode_images(policy, finish, decode))
         b = x_next.shape[0]
         unused = x_next.new_full((b, num_steps - k - 1, *x_next.shape[1:]), float("nan"))
         all_latents.append(torch.cat([prefix[sl], x_next[:, None], unused], dim=1))

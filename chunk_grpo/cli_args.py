@@ -19,6 +19,8 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+from chunk_grpo.sampling_options import SAMPLERS, SDE_KINDS
+
 EMBEDDED_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "tiny-flux-shapes"
 
 
@@ -128,8 +130,7 @@ def evaluate_parser() -> OneLineArgumentParser:
     p.add_argument("--steps", type=at_least_two, default=None,
                    help="sampling steps (model default)")
     p.add_argument("--shift", type=positive_float, default=None, help="sigma shift (model default)")
-    p.add_argument("--sampler", default="ode",
-                   choices=("ode", "flow", "dance", "cps", "cps_mse"))
+    p.add_argument("--sampler", default="ode", choices=SAMPLERS)
     p.add_argument("--eta", type=nonnegative_float, default=0.0,
                    help="noise level of an SDE sampler")
     p.add_argument("--cfg-scale", type=nonnegative_float, default=None,
@@ -163,7 +164,7 @@ def credit_parser(description: str | None = None) -> OneLineArgumentParser:
     p.add_argument("--group-size", type=at_least_two, default=8)
     p.add_argument("--num-steps", type=at_least_two, default=10)
     p.add_argument("--shift", type=positive_float, default=3.0)
-    p.add_argument("--kind", default="flow", choices=("flow", "dance", "cps", "cps_mse"))
+    p.add_argument("--kind", default="flow", choices=SDE_KINDS)
     p.add_argument("--eta", type=positive_float, default=0.7)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="credit")

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from chunk_grpo.errors import ConfigError
 from chunk_grpo.reward_spec import RewardSpecError, parse_reward_spec
+from chunk_grpo.sampling_options import DECODE_TARGETS, SDE_KINDS, check_antithetic
 from chunk_grpo.specs import ChunkSpecError, GranularityError, chunk_sizes, parse_granularities
 
 if TYPE_CHECKING:
@@ -21,8 +22,8 @@ if TYPE_CHECKING:
 
 CHOICES = {
     "sampling.algorithm": ("chunk_grpo", "g2rpo"),
-    "sampling.sde": ("flow", "dance", "cps", "cps_mse"),
-    "sampling.decode": ("final", "x0"),
+    "sampling.sde": SDE_KINDS,
+    "sampling.decode": DECODE_TARGETS,
     "loss.adv_norm": ("group", "global", "none"),
     "reward.mix_advantage": ("total", "per_reward"),
     "loss.kl_ref": ("old", "reference"),
@@ -64,9 +65,7 @@ def check_config(cfg: TrainConfig, name: Callable[[str], str]) -> None:
     if s.group_size < 2 and lo.adv_norm != "none":
         raise ConfigError(f"{name('sampling.group_size')} must be >= 2 for group advantages; "
                           f"set {name('loss.adv_norm')}: none for single samples")
-    if s.antithetic_noise and s.group_size % 2:
-        raise ConfigError(f"{name('sampling.antithetic_noise')} pairs the images of a group: "
-                          f"{name('sampling.group_size')} must be even, got {s.group_size}")
+    check_antithetic(s.antithetic_noise, s.group_size, error=ConfigError)
     if not 0.0 < cfg.chunks.fraction <= 1.0:
         raise ConfigError(f"{name('chunks.fraction')} must be in (0, 1], got "
                           f"{cfg.chunks.fraction}")

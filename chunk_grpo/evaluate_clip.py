@@ -140,7 +140,7 @@ def generator_correlation(clip: LoadedClip, model: str | Path, prompts: list[str
     correlation between the CLIP score and the `shapes` reward on those images: over all images,
     and (with several images per prompt) within each prompt's group, averaged over the prompts,
     which is the ranking a group-relative advantage sees."""
-    from chunk_grpo.evaluate import evaluate_policy
+    from chunk_grpo.evaluation import evaluate_policy
     from chunk_grpo.models import FluxPolicy
 
     policy = FluxPolicy.from_pretrained(model)

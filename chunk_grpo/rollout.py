@@ -17,9 +17,14 @@ from tqdm.auto import tqdm
 import grpo_kernels
 from chunk_grpo.chunking import trained_transitions
 from chunk_grpo.precision import resolve_mixed_precision
+from chunk_grpo.sampling_options import (
+    SAMPLERS,
+    check_antithetic,
+    check_decode,
+    check_sde_kind,
+    resolve_cfg_scale,
+)
 from chunk_grpo.schedule import flux_sigmas
-
-SDE_KINDS = ("flow", "dance", "cps", "cps_mse")
 
 
 @dataclass
@@ -78,19 +83,37 @@ def draw_step_noise(rows: int, latent_shape: tuple[int, ...], num_steps: int, sd
     return torch.randn(shape, generator=generator, dtype=torch.float32, device=device)
 
 
-def denoise(policies, x: torch.Tensor, embeds: list, sigmas: torch.Tensor,
-             switch_at: int, *, sampler: str, eta: float, cfg_scale: float,
-             generator: torch.Generator | None, mixed_precision: str = "no",
-             keep: bool = False, sde_window: int = 0, step_noise: torch.Tensor | None = None,
-             sigma_max: float | None = None):
-    """Run all steps on x; step t uses policies[0] if t < switch_at else policies[1].
+@dataclass(frozen=True)
+class HybridBase:
+    """Hybrid inference: ``policy`` (with its own prompt embeddings) runs steps >= ``from_step``."""
+
+    policy: object
+    embeds: object
+    from_step: int
+
+
+@dataclass
+class Denoised:
+    """What one `denoise` run leaves."""
+
+    x: torch.Tensor  # the final latents [B, ...]
+    latents: torch.Tensor | None  # [B, T+1, ...] x_0 .. x_T when kept, else None
+    logps: torch.Tensor | None  # [B, W] log-probs of the trained transitions; None for the ODE
+    x0: torch.Tensor  # the last step's clean prediction x - sigma * v
+
+
+def denoise(policy, x: torch.Tensor, embeds, sigmas: torch.Tensor, *, sampler: str,
+            eta: float, cfg_scale: float, generator: torch.Generator | None = None,
+            mixed_precision: str = "no", keep: bool = False, sde_window: int = 0,
+            step_noise: torch.Tensor | None = None, sigma_max: float | None = None,
+            hybrid: HybridBase | None = None) -> Denoised:
+    """Run every step of ``sigmas`` on x with ``policy`` (``hybrid.policy`` from its step on).
 
     With an SDE ``sampler`` and ``sde_window`` k > 0, steps t >= k are ODE steps.
     ``step_noise`` [S, B, ...] holds the draws of the S = `sde_steps` leading stochastic steps
     (see `draw_step_noise`); None draws each step's noise from ``generator`` as it comes.
     ``sigma_max``: the schedule's s_1 for the flow kind (default sigmas[1]; give it when
-    ``sigmas`` is the tail of a longer schedule).
-    Returns (final x, latents [B, T+1, ...] or None, logps [B, W] or None, last x0 prediction).
+    ``sigmas`` is the tail of a longer schedule). ``keep`` keeps every x_t.
     """
     steps = sigmas.numel() - 1
     b = x.shape[0]
@@ -99,12 +122,13 @@ def denoise(policies, x: torch.Tensor, embeds: list, sigmas: torch.Tensor,
     x0 = x
     sigma_max = float(sigmas[1]) if sigma_max is None else sigma_max
     for t in range(steps):
-        which = 0 if t < switch_at else 1
-        policy = policies[which]
+        model, model_embeds = policy, embeds
+        if hybrid is not None and t >= hybrid.from_step:
+            model, model_embeds = hybrid.policy, hybrid.embeds
         s = sigmas[t].expand(b).to(x.device)
         s_next = sigmas[t + 1].expand(b).to(x.device)
         with autocast_context(x.device, mixed_precision):
-            v = policy.velocity(x, s, embeds[which], cfg_scale=cfg_scale)
+            v = model.velocity(x, s, model_embeds, cfg_scale=cfg_scale)
         x0 = x - s.view(-1, *([1] * (x.dim() - 1))) * v.float()
         if sampler == "ode" or (sde_window and t >= sde_window):
             x = grpo_kernels.ode_step(x, v.to(x.dtype), s, s_next)
@@ -121,7 +145,40 @@ def denoise(policies, x: torch.Tensor, embeds: list, sigmas: torch.Tensor,
     if sampler != "ode":
         w = trained_transitions(steps, sde_window)
         logp_t = torch.stack(logps[:w], dim=1) if w > 0 else x.new_zeros(b, 0)
-    return x, latents, logp_t, x0
+    return Denoised(x=x, latents=latents, logps=logp_t, x0=x0)
+
+
+def decode_images(policy, result: Denoised, decode: str = "final") -> torch.Tensor:
+    """Images [B, 3, H, W] (float32) of the final latents, or of the last x0 prediction."""
+    return policy.decode(result.x0 if decode == "x0" else result.x).float()
+
+
+@dataclass
+class RolloutSetup:
+    """What both rollout samplers start from: the schedule, the CFG scale, the prompts encoded
+    once and the prompt of every row (rows are prompt-major: G consecutive rows per prompt)."""
+
+    sigmas: torch.Tensor
+    cfg_scale: float
+    prompt_embeds: object
+    prompt_index: torch.Tensor  # [P * G] long
+
+    @property
+    def rows(self) -> int:
+        return self.prompt_index.numel()
+
+
+def prepare_rollout(policy, prompts: list[str], *, group_size: int, num_steps: int,
+                    shift: float, kind: str, cfg_scale: float | None, decode: str,
+                    antithetic_noise: bool) -> RolloutSetup:
+    """Check a rollout's settings (one line naming the fix), then encode its prompts once."""
+    check_sde_kind(kind)
+    check_decode(decode)
+    check_antithetic(antithetic_noise, group_size)
+    return RolloutSetup(sigmas=flux_sigmas(num_steps, shift),
+                        cfg_scale=resolve_cfg_scale(policy, cfg_scale),
+                        prompt_embeds=policy.encode_prompts(list(prompts)),
+                        prompt_index=torch.arange(len(prompts)).repeat_interleave(group_size))
 
 
 @torch.no_grad()
@@ -149,17 +206,10 @@ def sample_rollouts(policy, prompts: list[str], *, group_size: int, num_steps: i
     index)`` is called with each batch's decoded images as soon as they exist (the trainer
     scores them on another thread while the next batch is sampled); it must not modify them.
     """
-    if kind not in SDE_KINDS:
-        raise ValueError(f"kind must be one of {SDE_KINDS} for training rollouts, got {kind!r}")
-    if decode not in ("final", "x0"):
-        raise ValueError(f"decode must be 'final' or 'x0', got {decode!r}")
-    cfg = policy.default_cfg_scale if cfg_scale is None else cfg_scale
-    sigmas = flux_sigmas(num_steps, shift)
-    prompt_embeds = policy.encode_prompts(list(prompts))
-    rows = len(prompts) * group_size
-    prompt_index = torch.arange(len(prompts)).repeat_interleave(group_size)
-    if antithetic_noise and group_size % 2:
-        raise ValueError(f"antithetic_noise needs an even group_size, got {group_size}")
+    setup = prepare_rollout(policy, prompts, group_size=group_size, num_steps=num_steps,
+                            shift=shift, kind=kind, cfg_scale=cfg_scale, decode=decode,
+                            antithetic_noise=antithetic_noise)
+    rows, prompt_index = setup.rows, setup.prompt_index
     if shared_noise:
         noise = policy.initial_noise(len(prompts), generator).repeat_interleave(group_size, 0)
     else:
@@ -172,21 +222,19 @@ def sample_rollouts(policy, prompts: list[str], *, group_size: int, num_steps: i
     all_latents, all_logps, images = [], [], []
     for start in range(0, rows, batch_size):
         idx = prompt_index[start:start + batch_size]
-        embeds = prompt_embeds.index(idx)
-        x = noise[start:start + batch_size].float()
-        x_final, latents, logps, x0 = denoise(
-            [policy, policy], x, [embeds, embeds], sigmas, num_steps,
-            sampler=kind, eta=eta, cfg_scale=cfg, generator=generator,
-            mixed_precision=mixed_precision, keep=True, sde_window=sde_window,
-            step_noise=step_noise[:, start:start + batch_size])
-        all_latents.append(latents)
-        all_logps.append(logps)
-        images.append(policy.decode(x0 if decode == "x0" else x_final).float())
+        out = denoise(policy, noise[start:start + batch_size].float(),
+                      setup.prompt_embeds.index(idx), setup.sigmas, sampler=kind, eta=eta,
+                      cfg_scale=setup.cfg_scale, generator=generator,
+                      mixed_precision=mixed_precision, keep=True, sde_window=sde_window,
+                      step_noise=step_noise[:, start:start + batch_size])
+        all_latents.append(out.latents)
+        all_logps.append(out.logps)
+        images.append(decode_images(policy, out, decode))
         if on_batch is not None:
             on_batch(images[-1], [prompts[i] for i in idx.tolist()], len(images) - 1)
-    return Rollout(latents=torch.cat(all_latents), logps=torch.cat(all_logps), sigmas=sigmas,
-                   prompt_index=prompt_index, prompts=list(prompts), images=torch.cat(images),
-                   prompt_embeds=prompt_embeds)
+    return Rollout(latents=torch.cat(all_latents), logps=torch.cat(all_logps),
+                   sigmas=setup.sigmas, prompt_index=prompt_index, prompts=list(prompts),
+                   images=torch.cat(images), prompt_embeds=setup.prompt_embeds)
 
 
 @torch.no_grad()
@@ -201,8 +249,8 @@ def generate(policy, prompts: list[str], *, num_steps: int = 16, shift: float = 
     ``hybrid_steps`` steps use ``policy``, the rest ``hybrid_base`` (another FluxPolicy).
     ``progress``: a tqdm bar over the images.
     """
-    if sampler != "ode" and sampler not in SDE_KINDS:
-        raise ValueError(f"sampler must be 'ode' or one of {SDE_KINDS}, got {sampler!r}")
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
     if sampler != "ode" and eta <= 0:
         raise ValueError(f"eta must be > 0 for the SDE sampler {sampler!r}, got {eta}")
     if batch_size < 1 or num_steps < 1:
@@ -211,9 +259,7 @@ def generate(policy, prompts: list[str], *, num_steps: int = 16, shift: float = 
         raise ValueError("hybrid_steps > 0 needs hybrid_base (the base FluxPolicy)")
     if hybrid_base is not None and not 0 <= hybrid_steps <= num_steps:
         raise ValueError(f"hybrid_steps must be in [0, {num_steps}], got {hybrid_steps}")
-    policies = [policy, hybrid_base if hybrid_base is not None else policy]
-    switch_at = hybrid_steps if hybrid_base is not None else num_steps
-    cfg = policy.default_cfg_scale if cfg_scale is None else cfg_scale
+    cfg = resolve_cfg_scale(policy, cfg_scale)
     sigmas = flux_sigmas(num_steps, shift)
     # All draws up front: an image's noise does not depend on the batch it is sampled in.
     initial = policy.initial_noise(len(prompts), generator).float()
@@ -225,13 +271,15 @@ def generate(policy, prompts: list[str], *, num_steps: int = 16, shift: float = 
     bar = tqdm(total=len(prompts), unit="img", desc="sampling", disable=not progress)
     for start in range(0, len(prompts), batch_size):
         batch = list(prompts[start:start + batch_size])
-        embeds = [p.encode_prompts(batch) for p in policies]
+        hybrid = None
+        if hybrid_base is not None:
+            hybrid = HybridBase(hybrid_base, hybrid_base.encode_prompts(batch), hybrid_steps)
         rows = slice(start, start + batch_size)
-        x, _, _, _ = denoise(policies, initial[rows], embeds, sigmas, switch_at, sampler=sampler,
-                             eta=eta, cfg_scale=cfg, generator=generator,
-                             mixed_precision=mixed_precision,
-                             step_noise=None if step_noise is None else step_noise[:, rows])
-        images.append(policy.decode(x).float())  # the VAE is shared: only transformers differ
+        out = denoise(policy, initial[rows], policy.encode_prompts(batch), sigmas,
+                      sampler=sampler, eta=eta, cfg_scale=cfg, generator=generator,
+                      mixed_precision=mixed_precision, hybrid=hybrid,
+                      step_noise=None if step_noise is None else step_noise[:, rows])
+        images.append(decode_images(policy, out))  # the VAE is shared: only transformers differ
         bar.update(len(batch))
     bar.close()
     return torch.cat(images)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from chunk_grpo.metrics import captioned_grid
+from chunk_grpo.metrics import save_image_grid
 from chunk_grpo.stats import mean_ci95
 
 # The GenEval-like checks of the shapes world, in the order a reader scans them.
@@ -116,13 +116,11 @@ def save_summary(run_dir: Path, text: str, comparisons: list[Comparison]) -> Non
 
 def before_after_grid(base, trained, path: Path, pairs: int = 16) -> Path:
     """Each held-out image of the base beside the trained model's image from the same noise,
-    captioned with its reward: 4 pairs per row."""
+    captioned with its reward: 4 pairs per row (the captions also in a .txt beside it)."""
     k = min(pairs, base.images.shape[0], trained.images.shape[0])
     images = torch.stack([img for i in range(k)
                           for img in (base.images[i], trained.images[i])])
     captions = [text for i in range(k) for text in (
         f"before {float(base.rewards[i]):.2f}  {base.prompts[i]}",
         f"after {float(trained.rewards[i]):.2f}")]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    captioned_grid(images, captions, columns=8).save(path)
-    return path
+    return save_image_grid(images, path, captions, columns=8)

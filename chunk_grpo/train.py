@@ -53,6 +53,8 @@ from chunk_grpo.config import (
     parse_args,
     save_config,
 )
+from chunk_grpo.dynamics import measure_dynamics, propose_chunks, save_profile
+from chunk_grpo.evaluation import evaluate_policy
 from chunk_grpo.metrics import MetricsLogger, reward_captions, save_image_grid
 from chunk_grpo.optim import EMA, build_lr_scheduler, build_optimizer
 from chunk_grpo.policy_setup import (
@@ -63,13 +65,13 @@ from chunk_grpo.policy_setup import (
 )
 from chunk_grpo.policy_update import optimizer_step_after, plan_units, update_policy
 from chunk_grpo.precision import resolve_mixed_precision
-from chunk_grpo.profile import measure_dynamics, propose_chunks, save_profile
 from chunk_grpo.prompts import PromptSet, check_prompts, load_prompt_set, load_prompts
 from chunk_grpo.rewards import get_reward
 from chunk_grpo.rewards.mix import RewardMix, as_reward_mix
 from chunk_grpo.rewards.outputs import RewardError
 from chunk_grpo.rollout import sample_rollouts
 from chunk_grpo.run_lock import RunLock
+from chunk_grpo.sampling_options import resolve_cfg_scale
 from chunk_grpo.schedule import dynamic_shift
 from chunk_grpo.scoring import RolloutScorer, constant_within_groups, probe_reward
 from chunk_grpo.stats import mean_ci95
@@ -112,8 +114,7 @@ class Trainer:
 
     @property
     def cfg_scale(self) -> float:
-        c = self.cfg.cfg_scale
-        return self.policy.default_cfg_scale if c is None else c
+        return resolve_cfg_scale(self.policy, self.cfg.cfg_scale)
 
 
 # ----------------------------------------------------------------------------- one iteration
@@ -261,8 +262,6 @@ def evaluate(tr: Trainer, step: int, final: bool = False) -> dict:
     prompts) its per-attribute accuracies too. With the base model at hand, also the paired gain
     over it: the same images (prompts and initial noise) sampled by the base, once per image
     count. ``final``: `final_eval_images` images, kept in ``tr.final_evals`` for the summary."""
-    from chunk_grpo.evaluate import evaluate_policy
-
     cfg, out = tr.cfg, {}
     count = cfg.final_eval_images if final else cfg.eval_images
     prompts = [tr.eval_prompts[i % len(tr.eval_prompts)] for i in range(count)]

@@ -4,7 +4,8 @@ import pytest
 import torch
 from trainer_utils import tiny_model_dir
 
-from chunk_grpo.credit import main, reward_spread_by_step
+from chunk_grpo.credit import main
+from chunk_grpo.dynamics import reward_spread_by_step
 from chunk_grpo.models import FluxPolicy
 from chunk_grpo.rewards import get_reward
 

@@ -3,21 +3,23 @@ import math
 
 import pytest
 import torch
+from trainer_utils import tiny_model_dir
 
 from chunk_grpo.config import ConfigError
-from chunk_grpo.evaluate import evaluate_policy, main, mean_ci95
+from chunk_grpo.evaluate import main
+from chunk_grpo.evaluation import evaluate_policy
 from chunk_grpo.metrics import captioned_grid
 from chunk_grpo.models import FluxPolicy
-from chunk_grpo.models.tiny import save_tiny_flux
 from chunk_grpo.rewards import build_reward, get_reward
-from chunk_grpo.shapes import HELDOUT_PROMPTS_FILE, VOCABULARY, load_prompts
+from chunk_grpo.shapes import HELDOUT_PROMPTS_FILE, load_prompts
+from chunk_grpo.stats import mean_ci95
 
 PROMPTS = load_prompts(HELDOUT_PROMPTS_FILE)[:3]
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return save_tiny_flux(tmp_path_factory.mktemp("tiny-flux"), VOCABULARY, seed=0)
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny-flux"))
 
 
 @pytest.fixture(scope="module")

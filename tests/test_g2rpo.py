@@ -4,8 +4,7 @@ resume equivalence)."""
 
 import pytest
 import torch
-from test_train_resume import Killed, _without_times
-from trainer_utils import tiny_config, tiny_model_dir
+from trainer_utils import Killed, tiny_config, tiny_model_dir, without_times
 
 import grpo_kernels
 from chunk_grpo.advantages import group_advantages, multi_granularity_advantages
@@ -40,11 +39,9 @@ def _sample(policy, branch_step, seed=0, **overrides):
 
 def _ode(policy, x, prompt_rows, sigmas):
     embeds = policy.encode_prompts([PROMPTS[i] for i in prompt_rows])
-    x_end, latents, _, _ = denoise([policy, policy], x, [embeds, embeds], sigmas,
-                                   sigmas.numel() - 1, sampler="ode", eta=0.0,
-                                   cfg_scale=policy.default_cfg_scale, generator=None,
-                                   keep=True, sigma_max=0.9)
-    return x_end, latents
+    out = denoise(policy, x, embeds, sigmas, sampler="ode", eta=0.0,
+                  cfg_scale=policy.default_cfg_scale, keep=True, sigma_max=0.9)
+    return out.x, out.latents
 
 
 def test_granularities_and_tails():
@@ -156,4 +153,4 @@ def test_trainer_runs_g2rpo_on_policy_and_resumes_exactly(tmp_path):
         run(tiny_config(model, tmp_path / "b", **settings), on_step_end=kill_at_2)
     resumed = run(tiny_config(model, tmp_path / "b", **settings), run_dir=tmp_path / "b",
                   resume=True)
-    assert _without_times(read_metrics(resumed / "metrics.jsonl")) == _without_times(records)
+    assert without_times(read_metrics(resumed / "metrics.jsonl")) == without_times(records)

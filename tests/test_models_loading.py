@@ -3,16 +3,14 @@
 import shutil
 
 import pytest
+from trainer_utils import tiny_model_dir
 
 from chunk_grpo.models import FluxPolicy, ModelLoadError, SamplingDefaults, load_flux_pipeline
-from chunk_grpo.models.tiny import save_tiny_flux
-
-WORDS = "a one two red green circle circles square".split()
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return save_tiny_flux(tmp_path_factory.mktemp("tiny_flux"), WORDS)
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny_flux"))
 
 
 def _copy(model_dir, tmp_path):

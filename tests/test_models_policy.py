@@ -3,18 +3,22 @@
 import pytest
 import torch
 from diffusers import FluxPipeline
+from trainer_utils import TINY_DEFAULTS, TINY_SIZES, tiny_model_dir
 
 from chunk_grpo.models import FluxPolicy, PromptEmbeds
 from chunk_grpo.models.latents import image_ids, pack_latents, unpack_latents
-from chunk_grpo.models.tiny import TEST_DEFAULTS, save_tiny_flux
+from chunk_grpo.models.tiny import build_tiny_flux_pipeline
+from chunk_grpo.shapes import VOCABULARY
 
-WORDS = "a one two three red green blue yellow circle circles square squares triangle big".split()
-PROMPTS = ["Two red circles above a blue square", "a yellow triangle", "one big green square"]
+PROMPTS = ["Two red circles above a blue square", "a yellow triangle", "three green squares"]
+TOKENS = 16  # 32px / 4 (the VAE's 3 levels) / 2 (FLUX's 2x2 patches) = 4x4 tokens
+CHANNELS = 16  # 4 latent channels * 2x2 patch
+TEXT_WIDTH = 64  # T5's d_model and CLIP's pooled width at the tiny sizes
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return save_tiny_flux(tmp_path_factory.mktemp("tiny_flux"), WORDS)
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny_flux"))
 
 
 @pytest.fixture(scope="module")
@@ -42,16 +46,17 @@ def test_pack_and_unpack_match_flux_pipeline():
 
 def test_defaults_come_from_model_directory(policy):
     assert (policy.height, policy.width) == (32, 32)
-    assert policy.max_sequence_length == TEST_DEFAULTS.max_sequence_length
-    assert policy.default_cfg_scale == TEST_DEFAULTS.default_cfg_scale
+    assert policy.max_sequence_length == TINY_DEFAULTS.max_sequence_length
+    assert policy.default_cfg_scale == TINY_DEFAULTS.default_cfg_scale
     trainable = [n for n, p in policy.pipeline.text_encoder.named_parameters() if p.requires_grad]
     assert not trainable and all(p.requires_grad for p in policy.transformer.parameters())
 
 
 def test_encode_prompts_lowercases_and_expands_groups(policy):
     embeds = policy.encode_prompts(PROMPTS)
-    assert embeds.prompt_embeds.shape == (3, TEST_DEFAULTS.max_sequence_length, 16)
-    assert embeds.pooled.shape == (3, 16) and embeds.text_ids.shape == (16, 3)
+    assert embeds.prompt_embeds.shape == (3, TINY_DEFAULTS.max_sequence_length, TEXT_WIDTH)
+    assert embeds.pooled.shape == (3, TEXT_WIDTH)
+    assert embeds.text_ids.shape == (TINY_DEFAULTS.max_sequence_length, 3)
     lower = policy.encode_prompts([p.lower() for p in PROMPTS])
     torch.testing.assert_close(embeds.prompt_embeds, lower.prompt_embeds, rtol=0, atol=0)
     torch.testing.assert_close(embeds.pooled, lower.pooled, rtol=0, atol=0)
@@ -70,11 +75,11 @@ def test_encode_prompts_lowercases_and_expands_groups(policy):
 def test_initial_noise_is_packed_and_seeded(policy):
     a = policy.initial_noise(3, torch.Generator().manual_seed(5))
     b = policy.initial_noise(3, torch.Generator().manual_seed(5))
-    assert a.shape == (3, 64, 16)  # 32px / 2 (VAE) / 2 (patch) = 8x8 tokens, 4 * 4 channels
+    assert a.shape == (3, TOKENS, CHANNELS)
     torch.testing.assert_close(a, b, rtol=0, atol=0)
-    assert policy.initial_noise(1, None, height=16, width=32).shape == (1, 32, 16)
-    with pytest.raises(ValueError, match="multiples of 4"):
-        policy.initial_noise(1, None, height=30, width=32)
+    assert policy.initial_noise(1, None, height=16, width=32).shape == (1, 8, CHANNELS)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        policy.initial_noise(1, None, height=28, width=32)
 
 
 def test_ode_steps_reproduce_flux_pipeline(policy):
@@ -87,7 +92,7 @@ def test_ode_steps_reproduce_flux_pipeline(policy):
         width=32,
         num_inference_steps=steps,
         generator=torch.Generator().manual_seed(0),
-        max_sequence_length=TEST_DEFAULTS.max_sequence_length,
+        max_sequence_length=TINY_DEFAULTS.max_sequence_length,
         output_type="latent",
     ).images
     sigmas = policy.pipeline.scheduler.sigmas
@@ -102,7 +107,7 @@ def test_ode_steps_reproduce_flux_pipeline(policy):
 
 def test_velocity_is_batch_consistent_and_stateless(policy):
     embeds = policy.encode_prompts(PROMPTS)
-    x = torch.randn(3, 64, 16, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(3, TOKENS, CHANNELS, generator=torch.Generator().manual_seed(1))
     sigma = torch.tensor([0.9, 0.5, 0.1])
     with torch.no_grad():
         batched = policy.velocity(x, sigma, embeds, cfg_scale=3.0)
@@ -125,7 +130,7 @@ def test_velocity_is_batch_consistent_and_stateless(policy):
 def test_cfg_combines_conditional_and_negative(policy):
     embeds = policy.encode_prompts(PROMPTS[:2])
     negative = policy.negative_embeds(2)
-    x = torch.randn(2, 64, 16, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(2, TOKENS, CHANNELS, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         v_cond = policy.velocity(x, 0.4, embeds)
         v_neg = policy.velocity(x, 0.4, negative)
@@ -136,7 +141,7 @@ def test_cfg_combines_conditional_and_negative(policy):
 
 def test_velocity_is_differentiable_in_transformer_weights(policy):
     embeds = policy.encode_prompts(PROMPTS[:1])
-    x = torch.randn(1, 64, 16)
+    x = torch.randn(1, TOKENS, CHANNELS)
     policy.transformer.zero_grad()
     policy.velocity(x, 0.5, embeds).square().mean().backward()
     grad = policy.transformer.proj_out.weight.grad
@@ -149,9 +154,9 @@ def test_velocity_rejects_bad_shapes(policy):
     with pytest.raises(ValueError, match="packed"):
         policy.velocity(torch.randn(2, 4, 16, 16), 0.5, embeds)
     with pytest.raises(ValueError, match="expand it first"):
-        policy.velocity(torch.randn(3, 64, 16), 0.5, embeds)
+        policy.velocity(torch.randn(3, TOKENS, CHANNELS), 0.5, embeds)
     with pytest.raises(ValueError, match="sigma"):
-        policy.velocity(torch.randn(2, 64, 16), torch.ones(3), embeds)
+        policy.velocity(torch.randn(2, TOKENS, CHANNELS), torch.ones(3), embeds)
     with pytest.raises(ValueError, match="height= and width="):
         policy.velocity(torch.randn(2, 40, 16), 0.5, embeds)
 
@@ -172,13 +177,12 @@ def test_decode_range_and_encode_round_trip_shapes(policy):
 
 def test_guidance_distilled_model_gets_its_guidance_scale(tmp_path):
     """FLUX.1-dev's path: the transformer embeds `guidance_scale`; no chunk_grpo.json there."""
-    from chunk_grpo.models.tiny import TEST_SIZES, build_tiny_flux_pipeline
-
-    build_tiny_flux_pipeline(WORDS, **TEST_SIZES, guidance_embeds=True).save_pretrained(tmp_path)
+    pipeline = build_tiny_flux_pipeline(VOCABULARY, **TINY_SIZES, guidance_embeds=True)
+    pipeline.save_pretrained(tmp_path)
     policy = FluxPolicy.from_pretrained(tmp_path)
     assert (policy.height, policy.max_sequence_length, policy.guidance_scale) == (1024, 512, 3.5)
     embeds = policy.encode_prompts(["a red circle"])
-    x = torch.randn(1, 64, 16)
+    x = torch.randn(1, TOKENS, CHANNELS)
     with torch.no_grad():
         v_default = policy.velocity(x, 0.5, embeds, height=32, width=32)
         policy.guidance_scale = 1.0

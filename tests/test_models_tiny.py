@@ -3,9 +3,9 @@
 import pytest
 import torch
 from diffusers import FluxPipeline
+from trainer_utils import TINY_SIZES
 
 from chunk_grpo.models.tiny import (
-    TEST_SIZES,
     build_clip_tokenizer,
     build_t5_tokenizer,
     build_tiny_flux_pipeline,
@@ -49,9 +49,9 @@ def test_bad_vocabulary_and_sizes_are_rejected():
 
 
 def test_pipeline_is_flux_and_seeded():
-    a = build_tiny_flux_pipeline(WORDS, seed=3, **TEST_SIZES)
-    b = build_tiny_flux_pipeline(WORDS, seed=3, **TEST_SIZES)
-    c = build_tiny_flux_pipeline(WORDS, seed=4, **TEST_SIZES)
+    a = build_tiny_flux_pipeline(WORDS, seed=3, **TINY_SIZES)
+    b = build_tiny_flux_pipeline(WORDS, seed=3, **TINY_SIZES)
+    c = build_tiny_flux_pipeline(WORDS, seed=4, **TINY_SIZES)
     assert isinstance(a, FluxPipeline)
     wa, wb, wc = (p.transformer.x_embedder.weight for p in (a, b, c))
     assert torch.equal(wa, wb) and not torch.equal(wa, wc)
@@ -65,7 +65,7 @@ def test_pipeline_is_flux_and_seeded():
 
 def test_save_and_reload_offline_round_trip(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    pipe = build_tiny_flux_pipeline(WORDS, seed=1, **TEST_SIZES)
+    pipe = build_tiny_flux_pipeline(WORDS, seed=1, **TINY_SIZES)
     pipe.save_pretrained(tmp_path)
     loaded = FluxPipeline.from_pretrained(tmp_path, local_files_only=True)
     prompt = "three green triangles left of a small square"

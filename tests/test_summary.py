@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from chunk_grpo.evaluate import EvalResult
+from chunk_grpo.evaluation import EvalResult
 from chunk_grpo.stats import mean_ci95
 from chunk_grpo.summary import Comparison, summary_text
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from trainer_utils import tiny_config, tiny_model_dir
 
-from chunk_grpo.evaluate import evaluate_policy
+from chunk_grpo.evaluation import evaluate_policy
 from chunk_grpo.metrics import read_metrics
 from chunk_grpo.models import FluxPolicy
 from chunk_grpo.rewards import register_reward

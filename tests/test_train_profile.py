@@ -8,6 +8,7 @@ from trainer_utils import tiny_model_dir
 
 from chunk_grpo import profile
 from chunk_grpo.chunking import relative_change
+from chunk_grpo.dynamics import measure_dynamics
 from chunk_grpo.models import FluxPolicy
 from chunk_grpo.rollout import denoise
 from chunk_grpo.schedule import flux_sigmas
@@ -29,17 +30,17 @@ def test_profile_cli(tmp_path, capsys):
 def test_measure_dynamics_is_the_mean_relative_change(tmp_path):
     policy = FluxPolicy.from_pretrained(tiny_model_dir(tmp_path))
     prompts = ["a red circle", "two blue squares", "one green triangle"]
-    curve = profile.measure_dynamics(policy, prompts, num_steps=4, shift=3.0, batch_size=2)
+    curve = measure_dynamics(policy, prompts, num_steps=4, shift=3.0, batch_size=2)
     # The same trajectories sampled in one batch, then the formula.
     g = torch.Generator().manual_seed(0)
     x = policy.initial_noise(2, g).float()
     emb = policy.encode_prompts(prompts[:2])
-    _, lat_a, _, _ = denoise([policy, policy], x, [emb, emb], flux_sigmas(4, 3.0), 4,
-                             sampler="ode", eta=0.0, cfg_scale=1.0, generator=g, keep=True)
+    lat_a = denoise(policy, x, emb, flux_sigmas(4, 3.0), sampler="ode", eta=0.0, cfg_scale=1.0,
+                    generator=g, keep=True).latents
     x = policy.initial_noise(1, g).float()
     emb = policy.encode_prompts(prompts[2:])
-    _, lat_b, _, _ = denoise([policy, policy], x, [emb, emb], flux_sigmas(4, 3.0), 4,
-                             sampler="ode", eta=0.0, cfg_scale=1.0, generator=g, keep=True)
+    lat_b = denoise(policy, x, emb, flux_sigmas(4, 3.0), sampler="ode", eta=0.0, cfg_scale=1.0,
+                    generator=g, keep=True).latents
     want = relative_change(torch.cat([lat_a, lat_b]))
     torch.testing.assert_close(curve, want, rtol=1e-5, atol=1e-6)
     assert bool((curve > 0).all())

@@ -4,19 +4,11 @@
 
 import pytest
 import torch
-from trainer_utils import tiny_config, tiny_model_dir
+from trainer_utils import Killed, tiny_config, tiny_model_dir, without_times
 
 from chunk_grpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from chunk_grpo.metrics import read_metrics
 from chunk_grpo.train import run
-
-
-class Killed(Exception):
-    pass
-
-
-def _without_times(records):
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in records]
 
 
 def test_resume_matches_an_uninterrupted_run(tmp_path):
@@ -39,8 +31,8 @@ def test_resume_matches_an_uninterrupted_run(tmp_path):
     resumed = run(tiny_config(model, tmp_path / "b", **settings), run_dir=tmp_path / "b",
                   resume=True)
 
-    a = _without_times(read_metrics(straight / "metrics.jsonl"))
-    b = _without_times(read_metrics(resumed / "metrics.jsonl"))
+    a = without_times(read_metrics(straight / "metrics.jsonl"))
+    b = without_times(read_metrics(resumed / "metrics.jsonl"))
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     assert a == b
     state_a, state_b = (load_checkpoint(d, restore_rng=False) for d in (straight, resumed))

@@ -84,10 +84,10 @@ def test_rollout_noise_does_not_depend_on_the_batch_split(policies, kind, sde_wi
     x = policy.initial_noise(6, gen).float()
     embeds = whole.prompt_embeds.index(whole.prompt_index)
     with torch.no_grad():
-        _, latents, logps, _ = denoise([policy, policy], x, [embeds, embeds], whole.sigmas, 4,
-                                       sampler=kind, eta=0.7, cfg_scale=policy.default_cfg_scale,
-                                       generator=gen, keep=True, sde_window=sde_window)
-    assert torch.equal(latents, whole.latents) and torch.equal(logps, whole.logps)
+        out = denoise(policy, x, embeds, whole.sigmas, sampler=kind, eta=0.7,
+                      cfg_scale=policy.default_cfg_scale, generator=gen, keep=True,
+                      sde_window=sde_window)
+    assert torch.equal(out.latents, whole.latents) and torch.equal(out.logps, whole.logps)
 
 
 def test_sde_generation_does_not_depend_on_the_batch_split(policies):

@@ -1,4 +1,5 @@
-"""Shared pieces of the trainer tests: a tiny random FLUX saved to disk, a toy reward, a config."""
+"""Shared pieces of the tests: THE tiny random FLUX every test loads (saved to disk), a toy
+reward, a trainer config."""
 
 from __future__ import annotations
 
@@ -14,16 +15,18 @@ from chunk_grpo.shapes import VOCABULARY
 
 TINY_SIZES = dict(num_layers=1, num_single_layers=1, num_attention_heads=2,
                   attention_head_dim=16, axes_dims_rope=(4, 6, 6))
+TINY_DEFAULTS = SamplingDefaults(height=32, width=32, max_sequence_length=8, num_steps=5,
+                                 shift=3.0)
 
 
 def tiny_model_dir(root: Path, seed: int = 0) -> Path:
-    """A random tiny FLUX (32x32 images, 16 latent tokens) saved as a diffusers directory."""
+    """A random tiny FLUX with the shapes vocabulary (32x32 images, 16 latent tokens of 16
+    channels) and TINY_DEFAULTS saved as a diffusers directory; built once per root and seed."""
     path = root / f"tiny-flux-{seed}"
     if not path.exists():
         pipe = build_tiny_flux_pipeline(VOCABULARY, seed=seed, **TINY_SIZES)
         pipe.save_pretrained(path)
-        SamplingDefaults(height=32, width=32, max_sequence_length=8, num_steps=5,
-                         shift=3.0).save(path)
+        TINY_DEFAULTS.save(path)
     return path
 
 
@@ -52,3 +55,12 @@ def tiny_config(model_dir: Path, out_dir: Path, **overrides):
                   chunk_fraction=0.5)
     values.update(overrides)
     return build_config(None, values)
+
+
+class Killed(Exception):
+    """Raised by an ``on_step_end`` hook to stop a run as a crash would."""
+
+
+def without_times(records: list[dict]) -> list[dict]:
+    """Metrics records without their wall-time fields (the part a rerun reproduces exactly)."""
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in records]

@@ -10,7 +10,6 @@ learned on the words (whole words become single tokens; unknown words still toke
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path
 
 import torch
 from diffusers import (
@@ -28,8 +27,6 @@ from transformers import (
     T5EncoderModel,
     T5Tokenizer,
 )
-
-from chunk_grpo.models.sampling_defaults import SamplingDefaults
 
 CLIP_MAX_LENGTH = 77
 _CLIP_SPECIALS = ("<|startoftext|>", "<|endoftext|>")
@@ -225,38 +222,3 @@ def build_tiny_flux_pipeline(vocabulary: list[str], *, seed: int = 0, **sizes) -
     )
     pipeline.tiny_sizes = asdict(s)
     return pipeline
-
-
-# Sizes for unit tests: 32x32 images (2x VAE downsampling, 64 tokens), built in milliseconds.
-TEST_SIZES = dict(
-    num_layers=1,
-    num_single_layers=1,
-    num_attention_heads=2,
-    attention_head_dim=16,
-    axes_dims_rope=(4, 6, 6),
-    vae_block_out_channels=(8, 16),
-    vae_norm_num_groups=4,
-    t5_d_model=16,
-    t5_d_ff=32,
-    t5_heads=2,
-    clip_hidden=16,
-    clip_intermediate=32,
-    clip_heads=2,
-)
-TEST_DEFAULTS = SamplingDefaults(height=32, width=32, max_sequence_length=16, default_cfg_scale=2.0)
-
-
-def save_tiny_flux(
-    directory: str | Path,
-    vocabulary: list[str],
-    *,
-    seed: int = 0,
-    defaults: SamplingDefaults = TEST_DEFAULTS,
-    **sizes,
-) -> Path:
-    """Build a random tiny pipeline (TEST_SIZES unless sizes are given), save it with its
-    sampling defaults and return the directory, which `FluxPolicy.from_pretrained` loads."""
-    pipeline = build_tiny_flux_pipeline(vocabulary, seed=seed, **(sizes or TEST_SIZES))
-    pipeline.save_pretrained(directory)
-    defaults.save(directory)
-    return Path(directory)

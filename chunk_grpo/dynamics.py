@@ -1,0 +1,106 @@
+"""How a trajectory behaves step by step, measured on a model: where to cut chunks and where
+the reward is decided.
+
+`measure_dynamics` gives L1rel(t) = mean|x_{t+1} - x_t| / (mean|x_t| + 1e-8) per transition
+(the temporal-dynamics profile the trainer segments into chunks with `propose_chunks`);
+`reward_spread_by_step` gives the within-group reward spread one stochastic step at step k
+causes (how to choose `sde_window`). The CLIs `python -m chunk_grpo.profile` and
+`python -m chunk_grpo.credit` print and save them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from chunk_grpo.chunking import ChunkLayout, relative_change, segment_by_dynamics
+from chunk_grpo.plots import line_plot
+from chunk_grpo.rollout import denoise
+from chunk_grpo.sampling_options import resolve_cfg_scale
+from chunk_grpo.schedule import flux_sigmas
+
+
+@torch.no_grad()
+def measure_dynamics(policy, prompts: list[str], *, num_steps: int, shift: float,
+                     sampler: str = "ode", eta: float = 0.0, cfg_scale: float | None = None,
+                     seed: int = 0, batch_size: int = 64) -> torch.Tensor:
+    """L1rel(t) for the T transitions, averaged over one trajectory per prompt. [T] float32."""
+    cfg = resolve_cfg_scale(policy, cfg_scale)
+    sigmas = flux_sigmas(num_steps, shift)
+    generator = torch.Generator().manual_seed(seed)
+    curves, weights = [], []
+    for start in range(0, len(prompts), batch_size):
+        batch = list(prompts[start:start + batch_size])
+        embeds = policy.encode_prompts(batch)
+        x = policy.initial_noise(len(batch), generator).float()
+        latents = denoise(policy, x, embeds, sigmas, sampler=sampler, eta=eta, cfg_scale=cfg,
+                          generator=generator, keep=True).latents
+        curves.append(relative_change(latents) * len(batch))
+        weights.append(len(batch))
+    return torch.stack(curves).sum(0) / sum(weights)
+
+
+def propose_chunks(curve: torch.Tensor, max_size: int = 5,
+                   num_trained: int | None = None) -> ChunkLayout:
+    """Chunks of the trained transitions: the first ``num_trained`` (default T-1: the last
+    transition is never trained)."""
+    w = curve.numel() - 1 if num_trained is None else num_trained
+    return segment_by_dynamics(curve[:w], max_size=max_size)
+
+
+def plot_profile(curve: torch.Tensor, layout: ChunkLayout, path: str | Path) -> Path:
+    """The curve per step with the chunk boundaries as red vertical lines (PNG)."""
+    steps = list(range(curve.numel()))
+    return line_plot({"L1rel": (steps, curve.tolist())}, path,
+                     title=f"temporal dynamics: L1rel(t) per sampling step; chunks "
+                           f"{list(layout.sizes)}",
+                     xlabel="sampling step t (0 = highest noise)",
+                     ylabel="L1rel(t) = mean|x(t+1) - x(t)| / mean|x(t)|",
+                     vlines=[start - 0.5 for start in layout.starts[1:]],
+                     vline_label="chunk boundary")
+
+
+def save_profile(curve: torch.Tensor, layout: ChunkLayout, out_dir: str | Path) -> None:
+    """DIR/profile.json (the curve and the chunk sizes) and DIR/profile.png."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile.json").write_text(json.dumps(
+        {"l1rel": [round(v, 6) for v in curve.tolist()], "chunks": list(layout.sizes)},
+        indent=2) + "\n")
+    plot_profile(curve, layout, out / "profile.png")
+
+
+@torch.no_grad()
+def reward_spread_by_step(policy, prompts: list[str], reward, *, num_steps: int, shift: float,
+                          kind: str = "flow", eta: float = 0.7, group_size: int = 8,
+                          cfg_scale: float | None = None, seed: int = 0,
+                          mixed_precision: str = "no") -> dict[str, list[float]]:
+    """Per trained step k (0 .. T-2): mean within-group reward std and mean reward when only
+    step k is stochastic. Returns {"sigma": [...], "spread": [...], "reward": [...]}."""
+    if group_size < 2:
+        raise ValueError(f"group_size must be >= 2 to measure a spread, got {group_size}")
+    cfg = resolve_cfg_scale(policy, cfg_scale)
+    sigmas = flux_sigmas(num_steps, shift)
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.arange(len(prompts)).repeat_interleave(group_size)
+    embeds = policy.encode_prompts(list(prompts))
+    row_prompts = [prompts[i] for i in rows.tolist()]
+    start = policy.initial_noise(len(prompts), generator).float()
+    # The ODE steps before the branch are the same for every k: run the trajectory once.
+    ode_path = denoise(policy, start, embeds, sigmas, sampler="ode", eta=0.0, cfg_scale=cfg,
+                       mixed_precision=mixed_precision, keep=True).latents
+    ode_path = ode_path.repeat_interleave(group_size, 0)
+    group_embeds = embeds.index(rows)
+    out = {"sigma": [], "spread": [], "reward": []}
+    for k in range(num_steps - 1):
+        # From x_k: one SDE step (a window of 1 on the schedule's tail), then the ODE.
+        x = denoise(policy, ode_path[:, k], group_embeds, sigmas[k:], sampler=kind, eta=eta,
+                    cfg_scale=cfg, generator=generator, mixed_precision=mixed_precision,
+                    sde_window=1, sigma_max=float(sigmas[1])).x
+        scores = reward(policy.decode(x).float(), row_prompts).float().view(-1, group_size)
+        out["sigma"].append(float(sigmas[k]))
+        out["spread"].append(float(scores.std(dim=1).mean()))
+        out["reward"].append(float(scores.mean()))
+    return out
