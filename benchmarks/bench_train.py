@@ -39,7 +39,8 @@ from chunk_grpo.config import TrainConfig
 from chunk_grpo.rewards import register_reward
 from chunk_grpo.rollout import autocast_context, sde_steps
 from chunk_grpo.schedule import flux_sigmas
-from chunk_grpo.train import build_trainer, train_iteration
+from chunk_grpo.train import train_iteration
+from chunk_grpo.trainer_setup import build_trainer
 
 if "OMP_NUM_THREADS" in os.environ:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

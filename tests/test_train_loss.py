@@ -2,7 +2,6 @@
 formulas of docs/math.md written out here with one transformer call per sample and step."""
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,8 +9,15 @@ from trainer_utils import tiny_model_dir
 
 from chunk_grpo.chunking import ChunkLayout
 from chunk_grpo.models import FluxPolicy
-from chunk_grpo.optim import build_lr_scheduler
-from chunk_grpo.policy_update import chunk_logprobs, plan_units, unit_loss, update_policy
+from chunk_grpo.policy_update import (
+    LossSettings,
+    UpdateRecord,
+    accumulate_gradients,
+    chunk_logprobs,
+    plan_units,
+    unit_loss,
+    unit_steps,
+)
 from chunk_grpo.rollout import sample_rollouts
 
 ETA = 0.7
@@ -80,15 +86,18 @@ def test_chunk_loss_gradient_matches_formula(setup, sizes):
             p.add_(torch.randn(p.shape, generator=g) * 0.02 * (p.std() if p.numel() > 1 else 1))
     adv = torch.tensor([1.5, -0.5, -1.0, 0.8, -1.2, 0.4])
     try:
-        # The trainer's way: one batched call per (chunk, micro-batch) unit.
+        # The trainer's way: one batched transformer call and one multi-chunk loss call per
+        # micro-batch unit.
         policy.transformer.zero_grad()
+        chunk_steps = [layout.steps(j) for j in range(layout.num_chunks)]
         units = plan_units(list(range(layout.num_chunks)), 6, 3, torch.Generator().manual_seed(2))
+        assert len(units) == 2 and all(u.chunks == tuple(range(layout.num_chunks)) for u in units)
         for u in units:
-            steps = layout.steps(u.chunk)
+            steps = unit_steps(u, chunk_steps)
             new = chunk_logprobs(policy, rollout, rollout.prompt_embeds, u.rows, steps,
                                  kind="flow", eta=ETA, cfg_scale=1.0)
-            loss, _ = unit_loss(new, lp_old[u.rows][:, steps], adv[u.rows], clip_low=clip,
-                                clip_high=clip)
+            loss, _ = unit_loss(new, lp_old[u.rows][:, steps], adv[u.rows],
+                                [len(c) for c in chunk_steps], clip_low=clip, clip_high=clip)
             (loss / len(units)).backward()
         ours = grads(policy)
         # The formula, one call per sample and step.
@@ -116,15 +125,18 @@ def test_update_policy_scales_the_loss_over_units(setup):
     params = [p for p in policy.transformer.parameters() if p.requires_grad]
     saved = [p.detach().clone() for p in params]
     adv = torch.tensor([1.5, -0.5, -1.0, 0.8, -1.2, 0.4])
-    cfg = SimpleNamespace(grad_accum=0, ppo_epochs=1, sde_kind="flow", eta=ETA,
-                          mixed_precision="no", clip_low=0.2, clip_high=0.2, kl_coef=0.0,
-                          kl_ref="old", max_grad_norm=1e9)
+    settings = LossSettings(kind="flow", eta=ETA, cfg_scale=1.0, clip_low=0.2, clip_high=0.2)
     opt = torch.optim.SGD(params, lr=1.0)
-    sched = build_lr_scheduler(opt, warmup_steps=0, total_steps=1, kind="constant")
-    units = plan_units([0, 1], 6, 2, torch.Generator().manual_seed(3))
+    units = plan_units([0, 1], 6, 2, torch.Generator().manual_seed(3), split_chunks=True)
+    record, boundaries = UpdateRecord(), 0
     try:
-        result = update_policy(policy, params, opt, sched, rollout, rollout.prompt_embeds, adv,
-                               units, [layout.steps(0), layout.steps(1)], cfg, cfg_scale=1.0)
+        for nonfinite in accumulate_gradients(policy, rollout, rollout.prompt_embeds, adv, units,
+                                              [layout.steps(0), layout.steps(1)], settings,
+                                              record):
+            assert not nonfinite
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            boundaries += 1
         delta = [p.detach() - s for p, s in zip(params, saved, strict=True)]
         with torch.no_grad():
             for p, s in zip(params, saved, strict=True):
@@ -139,8 +151,8 @@ def test_update_policy_scales_the_loss_over_units(setup):
             for p, s in zip(params, saved, strict=True):
                 p.copy_(s)
         policy.transformer.zero_grad()
-    assert result.optimizer_steps == 1 and result.skipped_steps == 0
-    assert all(s["ratio_mean"] == [1.0] * 3 for s in result.chunk_stats.values())
+    assert boundaries == 1
+    assert all(s["ratio_mean"] == [1.0] * 3 for s in record.chunk_stats.values())
     scale = max(float(r.abs().max()) for r in ref)
     for d, r in zip(delta, ref, strict=True):
         torch.testing.assert_close(-d, r, rtol=1e-3, atol=1e-4 * scale)
