@@ -155,6 +155,21 @@ class UpdateRecord:
                 per_chunk.setdefault(name, []).append(float(value.detach()))
 
 
+def row_weights(units: list[TrainUnit], step_after: list[bool]) -> list[float]:
+    """Each unit's weight in its optimizer step: its rows over the step's rows, counted per
+    distinct micro-batch (a micro-batch split into one unit per chunk counts once; each of its
+    units then weighs its rows over the step's rows times chunks). So every row counts alike:
+    a 3 + 1 split weighs the lone row 1/4, not 1/2 as a mean of unit means would."""
+    weights, group = [], []
+    for k, last in enumerate(step_after):
+        group.append(k)
+        if last:
+            total = sum(units[i].rows.numel() * len(units[i].chunks) for i in group)
+            weights.extend(units[i].rows.numel() * len(units[i].chunks) / total for i in group)
+            group = []
+    return weights
+
+
 def _is_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
@@ -168,18 +183,14 @@ def accumulate_gradients(policy, rollout: Rollout, prompt_embeds, advantages: to
     boundary (every ``settings.grad_accum`` units) yield whether a loss since the last one was
     non-finite, and resume when the caller has stepped and zeroed the gradients.
 
-    Each unit's loss is scaled by 1 / (the units of its optimizer step), so a step's gradient
-    is that of the mean loss over its units. chunk_steps[j] lists chunk j's transitions.
+    Each unit's loss (a mean over its rows) is weighted by its share of the rows of its
+    optimizer step (`row_weights`), so a step's gradient is that of the mean over its rows,
+    however the micro-batches split. chunk_steps[j] lists chunk j's transitions.
     ``grad_sync(boundary)``: a context around each backward that lets gradients synchronise
     across ranks only before a boundary (None: one process).
     """
     step_after = optimizer_step_after(len(units), settings.grad_accum)
-    group_sizes, count = [], 0  # units per optimizer step, for the loss scale
-    for last in step_after:
-        count += 1
-        if last:
-            group_sizes.extend([count] * count)
-            count = 0
+    weights = row_weights(units, step_after)
     first_boundary = step_after.index(True)
 
     def logprobs(unit: TrainUnit) -> torch.Tensor:
@@ -219,7 +230,7 @@ def accumulate_gradients(policy, rollout: Rollout, prompt_embeds, advantages: to
                                     kl_coef=settings.kl_coef, logp_ref=reference.get(k))
             if _is_finite(loss):
                 with grad_sync(step_after[k]) if grad_sync is not None else nullcontext():
-                    (loss / group_sizes[k]).backward()
+                    (loss * weights[k]).backward()
                 record.losses.append(float(loss.detach()))
                 record.add_stats(unit.chunks, stats)
             else:

@@ -116,7 +116,9 @@ def collect_batch(tr: Trainer, step: int, timer: _PhaseTimer | None = None, *,
 
     # 2. group rollouts with the SDE sampler (latents and log-probs stored); G2RPO: one branch
     #    step k (a step-level chunk drawn as chunks are), its group finished at several strides
-    gen = D.step_generator(cfg.seed, step, info.rank, "chunks")
+    # Chunks from (seed, step) alone: every rank trains the same chunks, so their work is equal
+    # and no rank waits for another at the gradient sync.
+    gen = D.step_generator(cfg.seed, step, 0, "chunks")
     weights = tr.chunk_weights if cfg.weighted_chunks else None
     strides = parse_granularities(cfg.g2rpo_granularities) if cfg.algorithm == "g2rpo" else (1,)
     rollout_gen = D.step_generator(cfg.seed, step, info.rank, "rollout")

@@ -11,10 +11,12 @@ from chunk_grpo.chunking import ChunkLayout
 from chunk_grpo.models import FluxPolicy
 from chunk_grpo.policy_update import (
     LossSettings,
+    TrainUnit,
     UpdateRecord,
     accumulate_gradients,
     chunk_logprobs,
     plan_units,
+    row_weights,
     unit_loss,
     unit_steps,
 )
@@ -117,9 +119,18 @@ def test_chunk_loss_gradient_matches_formula(setup, sizes):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4 * scale)
 
 
+def test_row_weights_count_every_row_alike():
+    rows = [torch.arange(3), torch.arange(3, 4)]
+    units = [TrainUnit((0,), rows[0]), TrainUnit((0,), rows[1])]
+    assert row_weights(units, [False, True]) == [0.75, 0.25]
+    assert row_weights(units, [True, True]) == [1.0, 1.0]  # one step each
+    split = [TrainUnit((j,), r) for r in rows for j in (0, 1)]  # one unit per chunk
+    assert row_weights(split, [False, False, False, True]) == [0.375, 0.375, 0.125, 0.125]
+
+
 def test_update_policy_scales_the_loss_over_units(setup):
     """On-policy (r = 1) with plain SGD, lr 1: the weight change is minus the gradient of
-    mean_{i,j} -A_i r_ij, whichever way the units are grouped into optimizer steps."""
+    mean_{i,j} -A_i r_ij, however the rows split into micro-batches."""
     policy, rollout = setup
     layout = ChunkLayout((1, 3))
     params = [p for p in policy.transformer.parameters() if p.requires_grad]
@@ -127,7 +138,9 @@ def test_update_policy_scales_the_loss_over_units(setup):
     adv = torch.tensor([1.5, -0.5, -1.0, 0.8, -1.2, 0.4])
     settings = LossSettings(kind="flow", eta=ETA, cfg_scale=1.0, clip_low=0.2, clip_high=0.2)
     opt = torch.optim.SGD(params, lr=1.0)
-    units = plan_units([0, 1], 6, 2, torch.Generator().manual_seed(3), split_chunks=True)
+    # 6 rows in micro-batches of 4 + 2: every row must weigh alike (not a mean of unit means).
+    units = plan_units([0, 1], 6, 4, torch.Generator().manual_seed(3), split_chunks=True)
+    assert sorted(u.rows.numel() for u in units) == [2, 2, 4, 4]
     record, boundaries = UpdateRecord(), 0
     try:
         for nonfinite in accumulate_gradients(policy, rollout, rollout.prompt_embeds, adv, units,
@@ -152,7 +165,7 @@ def test_update_policy_scales_the_loss_over_units(setup):
                 p.copy_(s)
         policy.transformer.zero_grad()
     assert boundaries == 1
-    assert all(s["ratio_mean"] == [1.0] * 3 for s in record.chunk_stats.values())
+    assert all(s["ratio_mean"] == [1.0] * 2 for s in record.chunk_stats.values())
     scale = max(float(r.abs().max()) for r in ref)
     for d, r in zip(delta, ref, strict=True):
         torch.testing.assert_close(-d, r, rtol=1e-3, atol=1e-4 * scale)
