@@ -146,8 +146,8 @@ class TrainConfig:
     # --- optimisation ---------------------------------------------------------------------
     max_steps: int = 400  # training iterations (rollout + update)
     max_minutes: float = 10.0  # stop after this much training wall time (0 = no limit)
-    micro_batch_size: int = 8  # samples per training call (call batch = chunk size x this)
-    grad_accum: int = 0  # training calls per optimizer step (0 = all of an iteration)
+    micro_batch_size: int = 8  # rows per training call (call batch = trained steps x this)
+    grad_accum: int = 0  # micro-batches per optimizer step (0 = all of an iteration)
     ppo_epochs: int = 1  # passes over each batch of rollouts
     optimizer: str = "adamw"  # adamw | adamw8bit
     lr: float = 1e-3
