@@ -12,6 +12,11 @@ process that ran the other layout first would reuse freed memory), or the CUDA p
 The embedded model is used when it is installed, else a random model of the same architecture
 (speed does not depend on the weights).
 
+Each iteration also reports the share of its time spent inside the models' own calls: the
+transformer's forward and backward, the VAE decode, the text encoders and the reward (`ModelClock`;
+only the outermost of nested calls counts). That share is what any training loop is bound by;
+the rest is the loop's own work (sampler and kernel arithmetic, data movement, Python).
+
 `test_reward_overlap` measures the reward phase with and without scoring each rollout batch
 while the next is sampled (`reward_overlap`), on 4 rollout batches of 8 rows: with a reward
 whose latency is not CPU work (a model on another device or a reward server; here a 10 ms per
@@ -36,10 +41,12 @@ from chunk_grpo import distributed as D
 from chunk_grpo.advantages import group_advantages
 from chunk_grpo.chunking import select_chunks
 from chunk_grpo.config import TrainConfig
+from chunk_grpo.precision import resolve_mixed_precision
 from chunk_grpo.rewards import register_reward
 from chunk_grpo.rollout import autocast_context, sde_steps
 from chunk_grpo.schedule import flux_sigmas
-from chunk_grpo.train import build_trainer, train_iteration
+from chunk_grpo.train import train_iteration
+from chunk_grpo.trainer_setup import build_trainer
 
 if "OMP_NUM_THREADS" in os.environ:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -80,6 +87,52 @@ class PeakMemory:
             self.thread.join()
             self.peak = max(self.peak, self._rss())
         self.mib = (self.peak - self.base) / 2**20
+
+
+class ModelClock:
+    """Wall time inside the models' own calls while the block runs: transformer forward and
+    (through `Tensor.backward`) backward, VAE decode, text encoders, reward. Nested calls (a
+    transformer inside a backward, a text encoder inside a reward) count once."""
+
+    def __init__(self, tr):
+        self.tr, self.seconds, self.depth, self.undo = tr, 0.0, 0, []
+
+    def _timed(self, fn):
+        def wrapper(*args, **kwargs):
+            if self.depth:
+                return fn(*args, **kwargs)
+            self.depth += 1
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                self.seconds += time.perf_counter() - start
+                self.depth -= 1
+        return wrapper
+
+    def _patch(self, owner, name: str) -> None:
+        original = getattr(owner, name)
+        had_own = name in vars(owner)
+        setattr(owner, name, self._timed(original))
+        self.undo.append(lambda: setattr(owner, name, original) if had_own
+                         else delattr(owner, name))
+
+    def __enter__(self):
+        pipe = self.tr.policy.pipeline
+        self._patch(self.tr.policy.transformer, "forward")
+        self._patch(pipe.vae, "decode")
+        for name in ("text_encoder", "text_encoder_2"):
+            if getattr(pipe, name, None) is not None:
+                self._patch(getattr(pipe, name), "forward")
+        self._patch(self.tr.reward_fn, "score")
+        self._patch(torch.Tensor, "backward")
+        return self
+
+    def __exit__(self, *exc):
+        for undo in reversed(self.undo):
+            undo()
 
 
 def _model(root: Path) -> Path:
@@ -215,8 +268,15 @@ def _run(benchmark, name: str, tr, model: Path):
     fn = LAYOUTS[name]
     fn(tr, 0)  # warm-up: first calls, allocator growth
     out = {}
-    benchmark.pedantic(lambda: out.update(fn(tr, 1)), rounds=1, iterations=1)
+
+    def iteration():
+        with ModelClock(tr) as clock:
+            out.update(fn(tr, 1))
+        out["model_s"] = clock.seconds
+
+    benchmark.pedantic(iteration, rounds=1, iterations=1)
     out["total"] = out["rollout"] + out["reward"] + out["train"]
+    out["model_share"] = out["model_s"] / out["total"]
     out["peak_mib"] = _peak_memory_in_fresh_process(name, model)
     RESULTS[name] = out
     benchmark.extra_info.update({k: round(v, 3) for k, v in out.items()})
@@ -240,6 +300,10 @@ def test_speedup_at_least_3x():
           f"MiB; Dance-GRPO layout {dance['total']:.2f} s, peak {dance['peak_mib']:.0f} MiB)")
     for phase in ("rollout", "reward", "train"):
         print(f"  {phase}: {dance[phase]:.2f} s -> {ours[phase]:.2f} s")
+    print(f"  inside the models' own calls: {ours['model_share']:.1%} of ours "
+          f"({ours['model_s']:.2f} s), {dance['model_share']:.1%} of the Dance-GRPO layout's; "
+          f"precision {resolve_mixed_precision(TrainConfig().mixed_precision, 'cpu').mode} on "
+          f"{torch.backends.cpu.get_cpu_capability()}")
     assert ratio >= 3.0
 
 

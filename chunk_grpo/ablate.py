@@ -49,10 +49,11 @@ from chunk_grpo.config import (
 from chunk_grpo.evaluation import evaluate_policy
 from chunk_grpo.metrics import read_metrics
 from chunk_grpo.plots import line_plot
+from chunk_grpo.prompts import load_prompts
 from chunk_grpo.rewards import get_reward
 from chunk_grpo.stats import mean_ci95
-from chunk_grpo.train import _prompt_list, load_policy, resolve_reward
 from chunk_grpo.train import run as train_run
+from chunk_grpo.trainer_setup import load_policy, resolve_reward
 
 PROG = "python -m chunk_grpo.ablate"
 
@@ -194,7 +195,7 @@ def describe_chunks(cfg: TrainConfig, layouts: list[list[int]]) -> str:
 
 def eval_prompts(cfg: TrainConfig, count: int) -> list[str]:
     """The first ``count`` held-out prompts (cycled), as the trainer's evaluation takes them."""
-    prompts = _prompt_list(cfg.eval_prompts)
+    prompts = load_prompts(cfg.eval_prompts)
     return [prompts[i % len(prompts)] for i in range(count)]
 
 

@@ -136,8 +136,8 @@ class OptimConfig:
     max_grad_norm: float = 1.0
     warmup_steps: int = 0  # optimizer steps of linear warm-up
     schedule: str = "constant"  # constant | cosine
-    micro_batch_size: int = 8  # samples per training call (call batch = chunk size x this)
-    grad_accum: int = 0  # training calls per optimizer step (0 = all of an iteration)
+    micro_batch_size: int = 8  # rows per training call (call batch = trained steps x this)
+    grad_accum: int = 0  # micro-batches per optimizer step (0 = all of an iteration)
     ppo_epochs: int = 1  # passes over each batch of rollouts
     ema_decay: float = 0.0  # 0 = no EMA
 

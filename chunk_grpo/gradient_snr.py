@@ -14,8 +14,8 @@ about 1 / SNR^2. Error bars are jackknife standard errors over the K iterations.
 `--per-chunk` also measures each chunk's own gradient (every chunk trained each iteration):
 which chunks of the trajectory carry signal, and which only add noise.
 
-Gradients are taken before clipping; with LoRA they are those of the adapter weights (at the
-start, only the zero-initialised B matrices receive any).
+Gradients are taken before clipping, and no optimizer step is taken; with LoRA they are those
+of the adapter weights (at the start, only the zero-initialised B matrices receive any).
 """
 
 from __future__ import annotations
@@ -28,11 +28,15 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from chunk_grpo import distributed as D
 from chunk_grpo.cli import run_cli
 from chunk_grpo.cli_args import gradient_snr_parser
 from chunk_grpo.config import ConfigError, TrainConfig, build_config, parse_args
+from chunk_grpo.policy_update import UpdateRecord, accumulate_gradients
+from chunk_grpo.train import collect_batch
+from chunk_grpo.trainer_setup import Trainer, build_trainer
 
 
 def snr_statistics(grads: torch.Tensor) -> dict[str, float]:
@@ -66,71 +70,63 @@ def snr_statistics(grads: torch.Tensor) -> dict[str, float]:
             "snr2_per_iteration": snr2, "snr2_stderr": stderr, "mean_pairwise_cosine": mean_cos}
 
 
-class _KeepGradient:
-    """Stands in for the optimizer and never moves: sums the gradient of would-be step k into
-    ``sums[k % period]`` (period 1: one total; the chunk count: one sum per chunk)."""
-
-    def __init__(self, params: list[torch.nn.Parameter], period: int = 1):
-        self.params = params
-        self.param_groups = [{"lr": 0.0}]
-        self.sums: list[torch.Tensor | None] = [None] * period
-        self.count = 0
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            p.grad = None
-
-    def step(self) -> None:
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
-                          .float().cpu() for p in self.params])
-        k = self.count % len(self.sums)
-        self.sums[k] = flat if self.sums[k] is None else self.sums[k] + flat
-        self.count += 1
+def _flat_gradient(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().float()
+                      .cpu() for p in params])
 
 
-class _NoSchedule:
-    def step(self) -> None:
-        pass
-
-
-def iteration_gradients(tr, steps: list[int], progress: bool = True, per_chunk: bool = False
+def iteration_gradients(tr: Trainer, steps: list[int], progress: bool = True,
+                        per_chunk: bool = False
                         ) -> tuple[torch.Tensor | dict[int, torch.Tensor], list[float]]:
     """The gradient [len(steps), P] of each listed iteration at the trainer's current weights,
-    and each iteration's mean reward. The trainer's optimizer, schedule and EMA are untouched.
+    and each iteration's mean reward: the trainer's own rollouts, advantages and loss
+    gradients (`collect_batch`, `accumulate_gradients`), with no optimizer step, so the weights,
+    the optimizer, the schedule and the EMA are untouched.
 
     ``per_chunk``: every chunk is trained each iteration and the gradients come back per chunk,
-    {chunk: [len(steps), P]} (each unit gets its own would-be optimizer step; a micro-batch's
-    units are every chunk in order, as `plan_units` lays them out).
+    {chunk: [len(steps), P]} (one unit per chunk and micro-batch, each its own accumulation
+    boundary; a micro-batch's units are every chunk in order, as `plan_units` lays them out).
     """
-    from tqdm.auto import tqdm
-
-    from chunk_grpo.train import train_iteration
-
-    saved = (tr.optimizer, tr.scheduler, tr.ema, tr.cfg)
-    # Raw gradients: clipping would rescale each iteration by its own noise.
-    changes = dict(max_grad_norm=math.inf, image_grid_every=0)
-    if per_chunk:
-        changes.update(chunk_fraction=1.0, grad_accum=1)
-    tr.cfg = dataclasses.replace(tr.cfg, **changes)
-    tr.scheduler, tr.ema = _NoSchedule(), None
     period = tr.layout.num_chunks if per_chunk else 1
+    # Every chunk, each unit its own boundary: changes only what is trained, not the rollouts.
+    settings = dataclasses.replace(tr.loss_settings, grad_accum=1) if per_chunk \
+        else tr.loss_settings
+    cfg = dataclasses.replace(tr.cfg, chunk_fraction=1.0, image_grid_every=0) if per_chunk \
+        else dataclasses.replace(tr.cfg, image_grid_every=0)
+    saved_cfg, tr.cfg = tr.cfg, cfg
     grads: list[list[torch.Tensor]] = [[] for _ in range(period)]
     rewards = []
+    chunk_steps = [tr.layout.steps(j) for j in range(tr.layout.num_chunks)]
     try:
         for step in tqdm(steps, desc="gradient-snr", disable=not progress):
-            keep = tr.optimizer = _KeepGradient(tr.params, period)
-            metrics, finite = train_iteration(tr, step)
-            if not finite or keep.count == 0:
+            batch = collect_batch(tr, step, split_chunks=per_chunk)
+            if per_chunk and batch.metrics.get("chunks_trained") != ",".join(
+                    str(j) for j in range(period)):
+                raise RuntimeError("per-chunk gradients: the units do not match the chunks")
+            sums: list[torch.Tensor | None] = [None] * period
+            boundaries = 0
+            record = UpdateRecord()
+            tr.optimizer.zero_grad(set_to_none=True)
+            if batch.finite:
+                for nonfinite in accumulate_gradients(
+                        tr.policy, batch.rollout, batch.rollout.prompt_embeds, batch.advantages,
+                        batch.units, chunk_steps, settings, record):
+                    flat = _flat_gradient(tr.params)
+                    if nonfinite or not bool(torch.isfinite(flat).all()):
+                        break
+                    k = boundaries % period
+                    sums[k] = flat if sums[k] is None else sums[k] + flat
+                    boundaries += 1
+                    tr.optimizer.zero_grad(set_to_none=True)
+            if boundaries == 0 or any(s is None for s in sums) or boundaries % period:
                 raise RuntimeError(f"iteration {step} gave a non-finite reward, loss or gradient; "
                                    "check the reward and the learning setup")
-            if per_chunk and (keep.count % period or metrics["chunks_trained"]
-                              != ",".join(str(j) for j in range(period))):
-                raise RuntimeError("per-chunk gradients: the units do not match the chunks")
-            for j, total in enumerate(keep.sums):
+            for j, total in enumerate(sums):
                 grads[j].append(total)
-            rewards.append(metrics["reward_mean"])
+            rewards.append(batch.metrics["reward_mean"])
     finally:
-        tr.optimizer, tr.scheduler, tr.ema, tr.cfg = saved
+        tr.cfg = saved_cfg
+        tr.optimizer.zero_grad(set_to_none=True)
     if per_chunk:
         return {j: torch.stack(g) for j, g in enumerate(grads)}, rewards
     return torch.stack(grads[0]), rewards
@@ -140,8 +136,6 @@ def measure(cfg: TrainConfig, iterations: int = 16, first_step: int = 0,
             progress: bool = True, per_chunk: bool = False) -> dict:
     """Build the trainer for ``cfg`` (in a scratch directory) and measure its gradient SNR;
     ``per_chunk`` adds {"chunks": {j: statistics of chunk j's gradient, with its "steps"}}."""
-    from chunk_grpo.train import build_trainer
-
     if per_chunk and cfg.algorithm == "g2rpo":
         raise ConfigError("--per-chunk trains every chunk of each iteration, but G2RPO trains "
                           "one branch step per iteration; measure it without --per-chunk")

@@ -1,17 +1,24 @@
-"""Train chunk by chunk: recompute a chunk's log-probs in one call, the chunk loss, backward.
+"""Policy gradients chunk by chunk: recompute a unit's log-probs in one call, its chunk loss in
+one call, backward. The optimizer step is not here: `accumulate_gradients` hands control back at
+each accumulation boundary and the training loop steps (`chunk_grpo.train`).
 
-A training unit is (chunk, micro-batch of rows). Its log-probs come from one batched transformer
-call over chunk size x micro-batch rows at their own sigmas. The old log-probs are exact: a unit
-trained before the first optimizer step of an iteration uses its own detached recomputation (the
-policy has not moved since the rollout), and every other unit gets a no-grad recomputation with
-the same call taken before any update. So the ratio is exactly 1 on-policy whatever the batch
-layout of the rollout was (the sampler's own log-probs differ from the training call's in the last
-bits whenever the two batch layouts differ; they are kept as a diagnostic).
+A training unit is a micro-batch of rows with the chunks it trains. Its log-probs come from one
+batched transformer call over (its chunks' steps) x (its rows), each at its own sigma, and its
+loss from one `grpo_kernels.chunk_grpo_loss` call over all its chunks. The old log-probs are
+exact: a unit trained before the first accumulation boundary of an iteration uses its own
+detached recomputation (the policy has not moved since the rollout), and every other unit gets a
+no-grad recomputation with the same call taken before any update. So the ratio is exactly 1
+on-policy whatever the batch layout of the rollout was (the sampler's own log-probs differ from
+the training call's in the last bits whenever the two batch layouts differ; they are kept as a
+diagnostic).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,25 +28,62 @@ from chunk_grpo.rollout import Rollout, autocast_context
 
 @dataclass(frozen=True)
 class TrainUnit:
-    chunk: int
+    chunks: tuple[int, ...]  # the chunks this micro-batch trains, in order
     rows: torch.Tensor  # [m] long, sorted
 
 
 def plan_units(selected_chunks: list[int], num_rows: int, micro_batch_size: int,
-               generator: torch.Generator | None = None) -> list[TrainUnit]:
-    """Rows shuffled into micro-batches; each micro-batch trains every selected chunk."""
+               generator: torch.Generator | None = None, *,
+               split_chunks: bool = False) -> list[TrainUnit]:
+    """Rows shuffled into micro-batches; each micro-batch trains every selected chunk, in one
+    unit (one transformer call and one loss call), or with ``split_chunks`` one unit per chunk
+    (for per-chunk gradients)."""
     perm = torch.randperm(num_rows, generator=generator)
     units = []
     for rows in perm.split(micro_batch_size):
         rows = rows.sort().values
-        units.extend(TrainUnit(j, rows) for j in selected_chunks)
+        if split_chunks:
+            units.extend(TrainUnit((j,), rows) for j in selected_chunks)
+        else:
+            units.append(TrainUnit(tuple(selected_chunks), rows))
     return units
 
 
 def optimizer_step_after(num_units: int, grad_accum: int) -> list[bool]:
-    """Whether an optimizer step follows each unit (every grad_accum units; 0 = at the end)."""
+    """Whether an accumulation boundary (an optimizer step) follows each unit: every
+    ``grad_accum`` units, and after the last (0 = once, after the last)."""
     every = num_units if grad_accum == 0 else grad_accum
     return [(k + 1) % every == 0 or k == num_units - 1 for k in range(num_units)]
+
+
+def optimizer_steps_per_iteration(rows: int, micro_batch_size: int, grad_accum: int,
+                                  ppo_epochs: int) -> int:
+    """The optimizer steps one iteration takes: its micro-batches (one unit each, whatever the
+    chunks) grouped by ``grad_accum``, per PPO epoch. The learning-rate schedule's length and
+    the loop both follow this one count."""
+    units = math.ceil(rows / micro_batch_size)
+    return sum(optimizer_step_after(units, grad_accum)) * ppo_epochs
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """What the update needs of the config: the SDE's log-prob and the clipped loss."""
+
+    kind: str
+    eta: float
+    cfg_scale: float
+    clip_low: float
+    clip_high: float
+    kl_coef: float = 0.0
+    kl_ref: str = "old"  # old (k3 in the fused loss) | reference (LoRA disabled)
+    mixed_precision: str = "no"
+    ppo_epochs: int = 1
+    grad_accum: int = 0
+
+
+def unit_steps(unit: TrainUnit, chunk_steps: list[list[int]]) -> list[int]:
+    """The transitions a unit trains, chunk after chunk."""
+    return [t for j in unit.chunks for t in chunk_steps[j]]
 
 
 def chunk_logprobs(policy, rollout: Rollout, prompt_embeds, rows: torch.Tensor,
@@ -64,17 +108,17 @@ def chunk_logprobs(policy, rollout: Rollout, prompt_embeds, rows: torch.Tensor,
     return logp.view(m, c)
 
 
-def unit_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, *,
-              clip_low: float, clip_high: float, kl_coef: float = 0.0,
+def unit_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,
+              chunk_sizes: list[int], *, clip_low: float, clip_high: float, kl_coef: float = 0.0,
               logp_ref: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-    """The chunk-level clipped loss of one unit (one chunk), plus an optional reference KL.
+    """The chunk-level clipped loss of one unit (its chunks side by side in ``logp_new``
+    [m, sum(chunk_sizes)]), in one `chunk_grpo_loss` call, plus an optional reference KL.
 
     KL: with ``logp_ref`` None, ``kl_coef`` weighs k3 against the old policy (in the fused
     loss); otherwise k3 against the reference log-probs is added here.
     """
-    c = logp_new.shape[1]
     loss, stats = grpo_kernels.chunk_grpo_loss(
-        logp_new, logp_old, advantages, [c], clip_low=clip_low, clip_high=clip_high,
+        logp_new, logp_old, advantages, chunk_sizes, clip_low=clip_low, clip_high=clip_high,
         kl_coef=kl_coef if logp_ref is None else 0.0)
     if logp_ref is not None and kl_coef > 0:
         diff = logp_ref.detach() - logp_new
@@ -85,55 +129,84 @@ def unit_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torch.
 
 
 @dataclass
-class UpdateResult:
-    """What one iteration's update did, for logging."""
+class UpdateRecord:
+    """What one iteration's update did, for logging (the loop adds its optimizer steps)."""
 
     optimizer_steps: int = 0
     skipped_steps: int = 0  # optimizer steps dropped for a non-finite loss or gradient
-    losses: list[float] = None
-    grad_norms: list[float] = None
-    chunk_stats: dict[int, dict[str, list[float]]] = None  # chunk -> stat -> values
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    chunk_stats: dict[int, dict[str, list[float]]] = field(default_factory=dict)
     rollout_logp_gap: float = 0.0  # max |sampler logp - training recomputation| (diagnostic)
 
-    def __post_init__(self):
-        self.losses, self.grad_norms, self.chunk_stats = [], [], {}
+    def add_stats(self, chunks: tuple[int, ...], stats: dict) -> None:
+        """Per-chunk ratio and clip fraction of a unit (the loss's per-chunk stats), and the
+        approximate KLs, filed under each chunk the unit trains."""
+        for i, j in enumerate(chunks):
+            per_chunk = self.chunk_stats.setdefault(j, {})
+            if len(chunks) == 1:
+                values = {name: stats[name] for name in ("ratio_mean", "clip_frac", "approx_kl",
+                                                         "ref_kl") if name in stats}
+            else:
+                values = {"ratio_mean": stats["ratio_mean_per_chunk"][i],
+                          "clip_frac": stats["clip_frac_per_chunk"][i]}
+                values.update({n: stats[n] for n in ("approx_kl", "ref_kl") if n in stats})
+            for name, value in values.items():
+                per_chunk.setdefault(name, []).append(float(value.detach()))
+
+
+def row_weights(units: list[TrainUnit], step_after: list[bool]) -> list[float]:
+    """Each unit's weight in its optimizer step: its rows over the step's rows, counted per
+    distinct micro-batch (a micro-batch split into one unit per chunk counts once; each of its
+    units then weighs its rows over the step's rows times chunks). So every row counts alike:
+    a 3 + 1 split weighs the lone row 1/4, not 1/2 as a mean of unit means would."""
+    weights, group = [], []
+    for k, last in enumerate(step_after):
+        group.append(k)
+        if last:
+            total = sum(units[i].rows.numel() * len(units[i].chunks) for i in group)
+            weights.extend(units[i].rows.numel() * len(units[i].chunks) / total for i in group)
+            group = []
+    return weights
 
 
 def _is_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
 
-def update_policy(policy, params: list, optimizer, scheduler, rollout: Rollout, prompt_embeds,
-                  advantages: torch.Tensor, units: list[TrainUnit], chunk_steps: list[list[int]],
-                  cfg, *, cfg_scale: float, ema=None, reduce_grads=None) -> UpdateResult:
-    """Train the units (ppo_epochs passes), stepping the optimizer every cfg.grad_accum units.
+def accumulate_gradients(policy, rollout: Rollout, prompt_embeds, advantages: torch.Tensor,
+                         units: list[TrainUnit], chunk_steps: list[list[int]],
+                         settings: LossSettings, record: UpdateRecord, *,
+                         grad_sync: Callable[[bool], AbstractContextManager] | None = None
+                         ) -> Iterator[bool]:
+    """Backward of every unit's loss (``settings.ppo_epochs`` passes); at each accumulation
+    boundary (every ``settings.grad_accum`` units) yield whether a loss since the last one was
+    non-finite, and resume when the caller has stepped and zeroed the gradients.
 
-    chunk_steps[j] lists chunk j's transitions. ``reduce_grads(params, bad) -> bad`` averages
-    gradients and the skip flag across ranks before clipping (None on one process).
+    Each unit's loss (a mean over its rows) is weighted by its share of the rows of its
+    optimizer step (`row_weights`), so a step's gradient is that of the mean over its rows,
+    however the micro-batches split. chunk_steps[j] lists chunk j's transitions.
+    ``grad_sync(boundary)``: a context around each backward that lets gradients synchronise
+    across ranks only before a boundary (None: one process).
     """
-    result = UpdateResult()
-    step_after = optimizer_step_after(len(units), cfg.grad_accum)
-    group_sizes, count = [], 0  # units per optimizer step, for the loss scale
-    for last in step_after:
-        count += 1
-        if last:
-            group_sizes.extend([count] * count)
-            count = 0
+    step_after = optimizer_step_after(len(units), settings.grad_accum)
+    weights = row_weights(units, step_after)
     first_boundary = step_after.index(True)
 
     def logprobs(unit: TrainUnit) -> torch.Tensor:
-        return chunk_logprobs(policy, rollout, prompt_embeds, unit.rows, chunk_steps[unit.chunk],
-                              kind=cfg.sde_kind, eta=cfg.eta, cfg_scale=cfg_scale,
-                              mixed_precision=cfg.mixed_precision)
+        return chunk_logprobs(policy, rollout, prompt_embeds, unit.rows,
+                              unit_steps(unit, chunk_steps), kind=settings.kind, eta=settings.eta,
+                              cfg_scale=settings.cfg_scale,
+                              mixed_precision=settings.mixed_precision)
 
-    # Old log-probs of units trained after the policy first moves, taken before it moves.
+    # Old log-probs of units trained after the policy may first move, taken before it moves.
     snapshot: dict[int, torch.Tensor] = {}
     reference: dict[int, torch.Tensor] = {}
     with torch.no_grad():
         for k, unit in enumerate(units):
-            if cfg.ppo_epochs > 1 or k > first_boundary:
+            if settings.ppo_epochs > 1 or k > first_boundary:
                 snapshot[k] = logprobs(unit)
-        if cfg.kl_coef > 0 and cfg.kl_ref == "reference":
+        if settings.kl_coef > 0 and settings.kl_ref == "reference":
             policy.transformer.disable_adapters()
             try:
                 reference = {k: logprobs(unit) for k, unit in enumerate(units)}
@@ -141,41 +214,27 @@ def update_policy(policy, params: list, optimizer, scheduler, rollout: Rollout, 
                 policy.transformer.enable_adapters()
 
     bad = False
-    optimizer.zero_grad(set_to_none=True)
-    for _epoch in range(cfg.ppo_epochs):
+    for _epoch in range(settings.ppo_epochs):
         for k, unit in enumerate(units):
             logp_new = logprobs(unit)
+            steps = unit_steps(unit, chunk_steps)
             if k in snapshot:
                 logp_old = snapshot[k]
             else:
                 logp_old = logp_new.detach()
-                gap = (logp_old - rollout.logps[unit.rows][:, chunk_steps[unit.chunk]]).abs()
-                result.rollout_logp_gap = max(result.rollout_logp_gap, float(gap.max()))
+                gap = (logp_old - rollout.logps[unit.rows][:, steps]).abs()
+                record.rollout_logp_gap = max(record.rollout_logp_gap, float(gap.max()))
             loss, stats = unit_loss(logp_new, logp_old, advantages[unit.rows],
-                                    clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                                    kl_coef=cfg.kl_coef, logp_ref=reference.get(k))
+                                    [len(chunk_steps[j]) for j in unit.chunks],
+                                    clip_low=settings.clip_low, clip_high=settings.clip_high,
+                                    kl_coef=settings.kl_coef, logp_ref=reference.get(k))
             if _is_finite(loss):
-                (loss / group_sizes[k]).backward()
-                result.losses.append(float(loss.detach()))
-                per_chunk = result.chunk_stats.setdefault(unit.chunk, {})
-                for name in ("ratio_mean", "clip_frac", "approx_kl", "ref_kl"):
-                    if name in stats:
-                        per_chunk.setdefault(name, []).append(float(stats[name].detach()))
+                with grad_sync(step_after[k]) if grad_sync is not None else nullcontext():
+                    (loss * weights[k]).backward()
+                record.losses.append(float(loss.detach()))
+                record.add_stats(unit.chunks, stats)
             else:
                 bad = True
             if step_after[k]:
-                if reduce_grads is not None:
-                    bad = reduce_grads(params, bad)
-                norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-                if bad or not _is_finite(norm):
-                    result.skipped_steps += 1
-                else:
-                    optimizer.step()
-                    scheduler.step()
-                    if ema is not None:
-                        ema.update()
-                    result.optimizer_steps += 1
-                    result.grad_norms.append(float(norm))
-                optimizer.zero_grad(set_to_none=True)
+                yield bad
                 bad = False
-    return result

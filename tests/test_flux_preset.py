@@ -81,10 +81,10 @@ def preset_overrides(tmp_path: Path, model: Path, reward: str, out: Path) -> lis
         "--height", "64", "--width", "64",  # 720x720 is minutes per image on a CPU
         "--max-steps", "1",  # one iteration (the preset: 150)
         "--group-size", "4",  # the preset's 12 triples the rollouts and the training calls
-        # The preset's 2 optimizer steps per iteration at 8 rollouts instead of 24: (8 / 4
-        # micro-batches) x 2 trained chunks = 4 training calls, a step every 2 (the preset:
-        # (24 / 2) x 2 = 24 calls, a step every 12).
-        "--micro-batch-size", "4", "--grad-accum", "2",
+        # The preset's 2 optimizer steps per iteration at 8 rollouts instead of 24: 8 / 4 = 2
+        # micro-batches (each one call over its 2 trained chunks), a step after each (the
+        # preset: 24 / 2 = 12 micro-batches, a step every 6).
+        "--micro-batch-size", "4", "--grad-accum", "1",
         "--eval-images", "2", "--final-eval-images", "2",  # the preset's 400 each
         "--progress", "false",
     ]

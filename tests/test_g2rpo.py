@@ -7,6 +7,7 @@ import torch
 from trainer_utils import Killed, tiny_config, tiny_model_dir, without_times
 
 import grpo_kernels
+from chunk_grpo import distributed as D
 from chunk_grpo.advantages import group_advantages, multi_granularity_advantages
 from chunk_grpo.branching import (
     GranularityError,
@@ -20,7 +21,8 @@ from chunk_grpo.metrics import read_metrics
 from chunk_grpo.models import FluxPolicy
 from chunk_grpo.rollout import denoise
 from chunk_grpo.schedule import flux_sigmas
-from chunk_grpo.train import run
+from chunk_grpo.train import run, train_iteration
+from chunk_grpo.trainer_setup import build_trainer, optimizer_steps_per_iter
 
 PROMPTS = ["a red circle", "two blue squares", "one green triangle"]
 KW = dict(group_size=4, num_steps=5, shift=3.0, kind="flow", eta=0.7, granularities=(1, 2))
@@ -154,3 +156,18 @@ def test_trainer_runs_g2rpo_on_policy_and_resumes_exactly(tmp_path):
     resumed = run(tiny_config(model, tmp_path / "b", **settings), run_dir=tmp_path / "b",
                   resume=True)
     assert without_times(read_metrics(resumed / "metrics.jsonl")) == without_times(records)
+
+
+def test_g2rpo_schedule_counts_the_optimizer_steps_it_takes(tmp_path):
+    """The schedule's length and the loop count optimizer steps the same way: G2RPO trains one
+    step-level chunk, so with grad_accum 1 an iteration takes one step per micro-batch (not per
+    chunk of the layout), and a cosine schedule ends exactly at the last step."""
+    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", algorithm="g2rpo",
+                      shared_noise=True, grad_accum=1, lr_schedule="cosine", max_steps=1)
+    tr = build_trainer(cfg, tmp_path / "run", D.DistInfo())
+    per_iteration = optimizer_steps_per_iter(cfg)
+    assert per_iteration == 2  # 8 rows in micro-batches of 4
+    metrics, finite = train_iteration(tr, 0)
+    assert finite and metrics["optimizer_steps"] == per_iteration
+    assert tr.scheduler.last_epoch == per_iteration
+    assert tr.optimizer.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)  # cosine's end

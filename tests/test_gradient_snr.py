@@ -8,7 +8,7 @@ from chunk_grpo import distributed as D
 from chunk_grpo.config import ConfigError
 from chunk_grpo.gradient_snr import iteration_gradients, main, measure, snr_statistics
 from chunk_grpo.rewards import register_reward
-from chunk_grpo.train import build_trainer
+from chunk_grpo.trainer_setup import build_trainer
 
 
 class ImageBlindReward:

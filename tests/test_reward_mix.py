@@ -13,7 +13,8 @@ from chunk_grpo.metrics import read_metrics
 from chunk_grpo.reward_spec import RewardSpecError, format_reward_spec, parse_reward_spec
 from chunk_grpo.rewards import build_reward, register_reward
 from chunk_grpo.rollout import sample_rollouts
-from chunk_grpo.train import build_trainer, resolve_reward, run, train_iteration
+from chunk_grpo.train import run, train_iteration
+from chunk_grpo.trainer_setup import build_trainer, resolve_reward
 
 
 class Redness:

@@ -123,7 +123,7 @@ def test_dynamic_shift_follows_the_token_count(tmp_path):
 
     from chunk_grpo.models import FluxPolicy
     from chunk_grpo.schedule import dynamic_shift
-    from chunk_grpo.train import sampling_shift
+    from chunk_grpo.trainer_setup import sampling_shift
 
     policy = FluxPolicy.from_pretrained(tiny_model_dir(tmp_path))  # 32x32: a 4x4 token grid
     fixed = build_config(None, {"shift": 2.0})

@@ -16,7 +16,9 @@ from chunk_grpo.metrics import read_metrics
 from chunk_grpo.models import FluxPolicy
 from chunk_grpo.models.loading import ModelLoadError
 from chunk_grpo.rewards import register_reward
-from chunk_grpo.train import TrainingDiverged, build_trainer, evaluate, main, run
+from chunk_grpo.train import TrainingDiverged, main, run
+from chunk_grpo.trainer_eval import evaluate
+from chunk_grpo.trainer_setup import build_trainer
 
 
 class NanAfterFirst:

@@ -2,7 +2,6 @@
 formulas of docs/math.md written out here with one transformer call per sample and step."""
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,8 +9,17 @@ from trainer_utils import tiny_model_dir
 
 from chunk_grpo.chunking import ChunkLayout
 from chunk_grpo.models import FluxPolicy
-from chunk_grpo.optim import build_lr_scheduler
-from chunk_grpo.policy_update import chunk_logprobs, plan_units, unit_loss, update_policy
+from chunk_grpo.policy_update import (
+    LossSettings,
+    TrainUnit,
+    UpdateRecord,
+    accumulate_gradients,
+    chunk_logprobs,
+    plan_units,
+    row_weights,
+    unit_loss,
+    unit_steps,
+)
 from chunk_grpo.rollout import sample_rollouts
 
 ETA = 0.7
@@ -80,15 +88,18 @@ def test_chunk_loss_gradient_matches_formula(setup, sizes):
             p.add_(torch.randn(p.shape, generator=g) * 0.02 * (p.std() if p.numel() > 1 else 1))
     adv = torch.tensor([1.5, -0.5, -1.0, 0.8, -1.2, 0.4])
     try:
-        # The trainer's way: one batched call per (chunk, micro-batch) unit.
+        # The trainer's way: one batched transformer call and one multi-chunk loss call per
+        # micro-batch unit.
         policy.transformer.zero_grad()
+        chunk_steps = [layout.steps(j) for j in range(layout.num_chunks)]
         units = plan_units(list(range(layout.num_chunks)), 6, 3, torch.Generator().manual_seed(2))
+        assert len(units) == 2 and all(u.chunks == tuple(range(layout.num_chunks)) for u in units)
         for u in units:
-            steps = layout.steps(u.chunk)
+            steps = unit_steps(u, chunk_steps)
             new = chunk_logprobs(policy, rollout, rollout.prompt_embeds, u.rows, steps,
                                  kind="flow", eta=ETA, cfg_scale=1.0)
-            loss, _ = unit_loss(new, lp_old[u.rows][:, steps], adv[u.rows], clip_low=clip,
-                                clip_high=clip)
+            loss, _ = unit_loss(new, lp_old[u.rows][:, steps], adv[u.rows],
+                                [len(c) for c in chunk_steps], clip_low=clip, clip_high=clip)
             (loss / len(units)).backward()
         ours = grads(policy)
         # The formula, one call per sample and step.
@@ -108,23 +119,37 @@ def test_chunk_loss_gradient_matches_formula(setup, sizes):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4 * scale)
 
 
+def test_row_weights_count_every_row_alike():
+    rows = [torch.arange(3), torch.arange(3, 4)]
+    units = [TrainUnit((0,), rows[0]), TrainUnit((0,), rows[1])]
+    assert row_weights(units, [False, True]) == [0.75, 0.25]
+    assert row_weights(units, [True, True]) == [1.0, 1.0]  # one step each
+    split = [TrainUnit((j,), r) for r in rows for j in (0, 1)]  # one unit per chunk
+    assert row_weights(split, [False, False, False, True]) == [0.375, 0.375, 0.125, 0.125]
+
+
 def test_update_policy_scales_the_loss_over_units(setup):
     """On-policy (r = 1) with plain SGD, lr 1: the weight change is minus the gradient of
-    mean_{i,j} -A_i r_ij, whichever way the units are grouped into optimizer steps."""
+    mean_{i,j} -A_i r_ij, however the rows split into micro-batches."""
     policy, rollout = setup
     layout = ChunkLayout((1, 3))
     params = [p for p in policy.transformer.parameters() if p.requires_grad]
     saved = [p.detach().clone() for p in params]
     adv = torch.tensor([1.5, -0.5, -1.0, 0.8, -1.2, 0.4])
-    cfg = SimpleNamespace(grad_accum=0, ppo_epochs=1, sde_kind="flow", eta=ETA,
-                          mixed_precision="no", clip_low=0.2, clip_high=0.2, kl_coef=0.0,
-                          kl_ref="old", max_grad_norm=1e9)
+    settings = LossSettings(kind="flow", eta=ETA, cfg_scale=1.0, clip_low=0.2, clip_high=0.2)
     opt = torch.optim.SGD(params, lr=1.0)
-    sched = build_lr_scheduler(opt, warmup_steps=0, total_steps=1, kind="constant")
-    units = plan_units([0, 1], 6, 2, torch.Generator().manual_seed(3))
+    # 6 rows in micro-batches of 4 + 2: every row must weigh alike (not a mean of unit means).
+    units = plan_units([0, 1], 6, 4, torch.Generator().manual_seed(3), split_chunks=True)
+    assert sorted(u.rows.numel() for u in units) == [2, 2, 4, 4]
+    record, boundaries = UpdateRecord(), 0
     try:
-        result = update_policy(policy, params, opt, sched, rollout, rollout.prompt_embeds, adv,
-                               units, [layout.steps(0), layout.steps(1)], cfg, cfg_scale=1.0)
+        for nonfinite in accumulate_gradients(policy, rollout, rollout.prompt_embeds, adv, units,
+                                              [layout.steps(0), layout.steps(1)], settings,
+                                              record):
+            assert not nonfinite
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            boundaries += 1
         delta = [p.detach() - s for p, s in zip(params, saved, strict=True)]
         with torch.no_grad():
             for p, s in zip(params, saved, strict=True):
@@ -139,8 +164,8 @@ def test_update_policy_scales_the_loss_over_units(setup):
             for p, s in zip(params, saved, strict=True):
                 p.copy_(s)
         policy.transformer.zero_grad()
-    assert result.optimizer_steps == 1 and result.skipped_steps == 0
-    assert all(s["ratio_mean"] == [1.0] * 3 for s in result.chunk_stats.values())
+    assert boundaries == 1
+    assert all(s["ratio_mean"] == [1.0] * 2 for s in record.chunk_stats.values())
     scale = max(float(r.abs().max()) for r in ref)
     for d, r in zip(delta, ref, strict=True):
         torch.testing.assert_close(-d, r, rtol=1e-3, atol=1e-4 * scale)

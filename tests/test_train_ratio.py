@@ -1,7 +1,6 @@
 """On-policy the importance ratio is exactly 1 (fp32 and bf16 autocast, with activation
 checkpointing), whatever the batch layout of rollout and training calls."""
 
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,9 +8,15 @@ from trainer_utils import tiny_model_dir
 
 from chunk_grpo.chunking import ChunkLayout
 from chunk_grpo.models import FluxPolicy
-from chunk_grpo.optim import build_lr_scheduler, build_optimizer
+from chunk_grpo.optim import build_optimizer
 from chunk_grpo.policy_setup import prepare_transformer
-from chunk_grpo.policy_update import chunk_logprobs, plan_units, update_policy
+from chunk_grpo.policy_update import (
+    LossSettings,
+    UpdateRecord,
+    accumulate_gradients,
+    chunk_logprobs,
+    plan_units,
+)
 from chunk_grpo.rollout import sample_rollouts
 
 
@@ -48,16 +53,19 @@ def test_ratio_is_exactly_one_when_the_policy_has_not_moved(policy, precision):
     before = [p.detach().clone() for p in params]
     opt = build_optimizer(params, name="adamw", lr=0.0, betas=(0.9, 0.999), eps=1e-8,
                           weight_decay=0.0)
-    sched = build_lr_scheduler(opt, warmup_steps=0, total_steps=10, kind="constant")
-    cfg = SimpleNamespace(grad_accum=1, ppo_epochs=2, sde_kind="flow", eta=0.7,
-                          mixed_precision=precision, clip_low=1e-7, clip_high=1e-7,
-                          kl_coef=0.1, kl_ref="old", max_grad_norm=1.0)
-    units = plan_units([0, 1], 6, 4, torch.Generator().manual_seed(1))
+    settings = LossSettings(kind="flow", eta=0.7, cfg_scale=1.0, clip_low=1e-7, clip_high=1e-7,
+                            kl_coef=0.1, mixed_precision=precision, ppo_epochs=2, grad_accum=1)
+    units = plan_units([0, 1], 6, 4, torch.Generator().manual_seed(1), split_chunks=True)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
-    result = update_policy(policy, params, opt, sched, rollout, rollout.prompt_embeds, adv,
-                           units, steps, cfg, cfg_scale=1.0)
+    result, boundaries = UpdateRecord(), 0
+    for nonfinite in accumulate_gradients(policy, rollout, rollout.prompt_embeds, adv, units,
+                                          steps, settings, result):
+        assert not nonfinite
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        boundaries += 1
     assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
-    assert result.optimizer_steps == 2 * len(units)
+    assert boundaries == 2 * len(units)
     for stats in result.chunk_stats.values():
         assert stats["ratio_mean"] == [1.0] * len(stats["ratio_mean"])
         assert stats["clip_frac"] == [0.0] * len(stats["clip_frac"])

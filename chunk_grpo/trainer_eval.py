@@ -1,0 +1,88 @@
+"""What a training run reports about its policy: the periodic and final held-out evaluation
+(with hybrid inference and the paired gain over the base), the closing summary, and the
+exported model."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from chunk_grpo.evaluation import evaluate_policy
+from chunk_grpo.metrics import reward_captions, save_image_grid
+from chunk_grpo.policy_setup import export_pipeline
+from chunk_grpo.stats import mean_ci95
+from chunk_grpo.summary import Comparison, before_after_grid, save_summary, summary_text
+from chunk_grpo.trainer_setup import Trainer
+
+GRID_IMAGES = 32  # evaluation images kept for grids (the rest are dropped after scoring)
+
+
+def evaluate(tr: Trainer, step: int, final: bool = False) -> dict:
+    """Held-out reward with 95% CI (ODE sampling with the model's default steps and shift, EMA
+    weights if any), and hybrid inference; with a fidelity reward (the shapes checks on shapes
+    prompts) its per-attribute accuracies too. With the base model at hand, also the paired gain
+    over it: the same images (prompts and initial noise) sampled by the base, once per image
+    count. ``final``: `final_eval_images` images, kept in ``tr.final_evals`` for the summary."""
+    cfg, out = tr.cfg, {}
+    count = cfg.final_eval_images if final else cfg.eval_images
+    prompts = [tr.eval_prompts[i % len(tr.eval_prompts)] for i in range(count)]
+    settings = dict(reward=tr.reward_fn, fidelity=tr.fidelity_fn, seed=cfg.seed + 1,
+                    cfg_scale=tr.cfg_scale, batch_size=cfg.rollout_batch_size)
+    if tr.base_policy is not None and count not in tr.base_evals:
+        base = evaluate_policy(tr.base_policy, prompts, **settings)
+        tr.base_evals[count] = dataclasses.replace(base, images=base.images[:GRID_IMAGES])
+    base_eval = tr.base_evals.get(count)
+    if tr.ema is not None:
+        tr.ema.swap()
+    try:
+        runs = [("eval", None, 0)]
+        if cfg.eval_hybrid_steps and tr.base_policy is not None:
+            runs.append(("eval_hybrid", tr.base_policy, cfg.eval_hybrid_steps))
+        for name, base, k in runs:
+            # The model's own sampling defaults, as `python -m chunk_grpo.evaluate` uses them.
+            res = evaluate_policy(tr.policy, prompts, hybrid_base=base, hybrid_steps=k,
+                                  **settings)
+            out[f"{name}/reward_mean"] = res.reward_mean
+            out[f"{name}/reward_ci95"] = res.reward_ci95
+            out.update({f"{name}/{key}": value for key, value in res.attributes.items()})
+            if base_eval is not None:
+                gain, gain_ci = mean_ci95(res.rewards - base_eval.rewards)
+                out[f"{name}/gain_vs_base"], out[f"{name}/gain_ci95"] = gain, gain_ci
+            if final:
+                tr.final_evals[name] = dataclasses.replace(res, images=res.images[:GRID_IMAGES])
+            if tr.info.is_main:
+                save_image_grid(res.images[:GRID_IMAGES],
+                                tr.run_dir / "images" / f"{name}-{step:06d}.png",
+                                reward_captions(res.prompts[:GRID_IMAGES],
+                                                res.rewards[:GRID_IMAGES]))
+    finally:
+        if tr.ema is not None:
+            tr.ema.swap()
+    return out
+
+
+def finish_summary(tr: Trainer, iterations: int, minutes: float, model_dir: Path | None) -> str:
+    """The run's closing screen (before -> after on the final evaluation), saved in the run
+    directory with a before/after grid."""
+    base = tr.base_evals.get(tr.cfg.final_eval_images)
+    comparisons = [] if base is None else [
+        Comparison.of(name, base, res) for name, res in tr.final_evals.items()]
+    text = summary_text(run_dir=tr.run_dir, reward=tr.cfg.reward.name, comparisons=comparisons,
+                        iterations=iterations, minutes=minutes,
+                        hybrid_steps=tr.cfg.eval_hybrid_steps, model_dir=model_dir)
+    save_summary(tr.run_dir, text, comparisons)
+    if base is not None and "eval" in tr.final_evals:
+        before_after_grid(base, tr.final_evals["eval"], tr.run_dir / "images" / "before_after.png")
+    return text
+
+
+def export_final(tr: Trainer) -> Path:
+    """final_model/: a diffusers directory (EMA weights if enabled, LoRA merged)."""
+    if tr.ema is not None:
+        tr.ema.swap()
+    try:
+        return export_pipeline(tr.policy.pipeline, tr.policy.transformer,
+                               tr.run_dir / "final_model", defaults=tr.policy.defaults)
+    finally:
+        if tr.ema is not None:
+            tr.ema.swap()

@@ -1,0 +1,273 @@
+"""Everything a training run is built from before its first iteration: the prompts (read once),
+the policy, the reward, the chunk layout, the optimizer and its schedule, and the `Trainer` that
+holds them. Also what a checkpoint saves of a trainer and how it is restored.
+
+Order matters for error reporting (`chunk_grpo.train.run`): the prompt sets are read first, then
+the reward and the model load and are checked against each other, all before the run directory
+exists, so a bad input leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from chunk_grpo import distributed as D
+from chunk_grpo.chunking import ChunkLayout, parse_chunk_spec
+from chunk_grpo.config import ConfigError, TrainConfig
+from chunk_grpo.dynamics import measure_dynamics, propose_chunks, save_profile
+from chunk_grpo.metrics import MetricsLogger
+from chunk_grpo.models import EMBEDDED_MODEL, FluxPolicy
+from chunk_grpo.models.sampling_defaults import apply_sampling_size
+from chunk_grpo.optim import EMA, build_lr_scheduler, build_optimizer
+from chunk_grpo.policy_setup import (
+    load_trainable_state_dict,
+    prepare_transformer,
+    trainable_state_dict,
+)
+from chunk_grpo.policy_update import LossSettings, optimizer_steps_per_iteration
+from chunk_grpo.prompts import PromptSet, check_prompts, load_prompt_set
+from chunk_grpo.rewards import build_reward, get_reward
+from chunk_grpo.rewards.mix import RewardMix, as_reward_mix
+from chunk_grpo.rewards.outputs import RewardError
+from chunk_grpo.sampling_options import resolve_cfg_scale
+from chunk_grpo.schedule import dynamic_shift
+from chunk_grpo.scoring import probe_reward
+
+
+@dataclass
+class PromptSets:
+    """The run's two prompt sets, read once."""
+
+    train: PromptSet
+    eval: PromptSet
+
+    def items(self) -> list[tuple[str, PromptSet]]:
+        return [("train_prompts", self.train), ("eval_prompts", self.eval)]
+
+
+@dataclass
+class Trainer:
+    """Everything an iteration touches."""
+
+    cfg: TrainConfig
+    info: D.DistInfo
+    run_dir: Path
+    policy: FluxPolicy
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    ema: EMA | None
+    reward_fn: RewardMix
+    train_prompts: list[str]
+    eval_prompts: list[str]
+    layout: ChunkLayout
+    chunk_weights: torch.Tensor | None
+    logger: MetricsLogger
+    base_policy: FluxPolicy | None = None  # frozen base for hybrid evaluation
+    fidelity_fn: object = None  # a reward with `details` reported beside the trained one
+    base_evals: dict = field(default_factory=dict)  # image count -> the base's EvalResult
+    final_evals: dict = field(default_factory=dict)  # "eval"/"eval_hybrid" -> final EvalResult
+    warned_constant: set[str] = field(default_factory=set)  # rewards warned of as constant
+
+    @property
+    def shift(self) -> float:
+        return sampling_shift(self.cfg, self.policy)
+
+    @property
+    def cfg_scale(self) -> float:
+        return resolve_cfg_scale(self.policy, self.cfg.cfg_scale)
+
+    @property
+    def loss_settings(self) -> LossSettings:
+        cfg = self.cfg
+        return LossSettings(kind=cfg.sde_kind, eta=cfg.eta, cfg_scale=self.cfg_scale,
+                            clip_low=cfg.clip_low, clip_high=cfg.clip_high, kl_coef=cfg.kl_coef,
+                            kl_ref=cfg.kl_ref, mixed_precision=cfg.mixed_precision,
+                            ppo_epochs=cfg.ppo_epochs, grad_accum=cfg.grad_accum)
+
+
+# ----------------------------------------------------------------------------- inputs
+
+def read_prompt_sets(cfg: TrainConfig) -> PromptSets:
+    """Read and decode both prompt sets: the first thing a run checks, before any model loads,
+    so a missing or unreadable file is reported at once."""
+    sets = {}
+    for key in ("train_prompts", "eval_prompts"):
+        try:
+            sets[key] = load_prompt_set(cfg.get(key))
+        except ConfigError as err:
+            raise ConfigError(f"{key}: {err}") from None
+    return PromptSets(train=sets["train_prompts"], eval=sets["eval_prompts"])
+
+
+def check_prompt_sets(prompt_sets: PromptSets, policy: FluxPolicy, reward_fn: RewardMix) -> None:
+    """Run both prompt sets through the tokenizers and the reward before the run directory
+    exists (a prompt they cannot take fails now, not at the final evaluation), then call the
+    rewards once on a probe batch (2 images of the model's size, the first training prompts):
+    a reward that fails or returns the wrong thing stops here, in one line."""
+    for key, prompt_set in prompt_sets.items():
+        try:
+            notes = check_prompts(prompt_set, policy, reward_fn)
+        except ConfigError as err:
+            raise ConfigError(f"{key}: {err}") from None
+        for note in notes:
+            print(f"[chunk-grpo] {key}: {note}", flush=True)
+    probe_reward(reward_fn, policy.height, policy.width, prompt_sets.train.prompts)
+
+
+def resolve_reward(cfg: TrainConfig, device: torch.device | None = None) -> RewardMix:
+    """The configured reward (or mix) on ``reward_device`` (default: ``device``, the trainer's),
+    in bf16 on CUDA and fp32 elsewhere; or a ConfigError that says how to name one."""
+    where = torch.device(cfg.reward_device or device or "cpu")
+    dtype = torch.bfloat16 if where.type == "cuda" else torch.float32
+    try:
+        return build_reward(cfg.reward.name, device=where, dtype=dtype,
+                            batch_size=cfg.reward_batch_size)
+    except RewardError:
+        raise
+    except ValueError as err:
+        raise ConfigError(f"reward: {err}") from err
+
+
+def sampling_shift(cfg: TrainConfig, policy: FluxPolicy) -> float:
+    """The rollouts' sigma shift: ``cfg.shift``, or with ``dynamic_shift`` FLUX's
+    resolution-dependent exp(mu) from the image's latent token count."""
+    if not cfg.dynamic_shift:
+        return cfg.shift
+    rows, cols = policy.latent_grid()
+    return dynamic_shift(rows * cols)
+
+
+def model_path(spec: str) -> str:
+    """The model directory or hub id; "embedded" is the tiny FLUX shipped in the package."""
+    return str(EMBEDDED_MODEL) if spec == "embedded" else spec
+
+
+def load_policy(cfg: TrainConfig, device: torch.device) -> FluxPolicy:
+    """The model as a FluxPolicy, at the configured image size."""
+    policy = FluxPolicy.from_pretrained(model_path(cfg.model.name), device=device)
+    try:
+        apply_sampling_size(policy, cfg.height, cfg.width, source=model_path(cfg.model.name),
+                            found_file=policy.sampling_file_found,
+                            how="height and width (--height H --width W, or in the YAML)")
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return policy
+
+
+def load_checked_policy(cfg: TrainConfig, device: torch.device) -> FluxPolicy:
+    """The policy, once the config is known to suit it (checked here, not at the first
+    evaluation, which may come only at the end of the run). Seeds torch first: what follows
+    (the profile, LoRA's initialisation) draws from the seeded generator."""
+    torch.manual_seed(cfg.seed)
+    policy = load_policy(cfg, device)
+    eval_steps = policy.defaults.num_steps  # evaluation samples as `chunk_grpo.evaluate` does
+    if cfg.eval_hybrid_steps > eval_steps:
+        raise ConfigError(f"eval_hybrid_steps={cfg.eval_hybrid_steps} exceeds the {eval_steps} "
+                          f"steps evaluation samples with (the model's default num_steps); set "
+                          f"--eval-hybrid-steps to at most {eval_steps}, or 0 to skip hybrid "
+                          f"evaluation")
+    return policy
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+def resolve_layout(cfg: TrainConfig, policy: FluxPolicy, prompts: list[str], run_dir: Path,
+                   info: D.DistInfo) -> tuple[ChunkLayout, torch.Tensor | None]:
+    """The run's fixed chunk layout; "auto" (or weighted sampling) measures the profile on the
+    first training prompts. G2RPO trains one branch step per iteration: its layout is step
+    level, chunk j = step j."""
+    if cfg.algorithm == "g2rpo":
+        layout = ChunkLayout((1,) * cfg.num_trained)
+    else:
+        layout = parse_chunk_spec(cfg.chunks.spec, cfg.num_trained, cfg.chunk_size)
+    curve = None
+    if layout is None or cfg.weighted_chunks:
+        curve = measure_dynamics(policy, prompts[:cfg.profile_prompts], num_steps=cfg.num_steps,
+                                 shift=sampling_shift(cfg, policy),
+                                 cfg_scale=cfg.cfg_scale, seed=cfg.seed,
+                                 batch_size=cfg.rollout_batch_size)
+        if layout is None:
+            layout = propose_chunks(curve, cfg.max_chunk_size, cfg.num_trained)
+        if info.is_main:
+            save_profile(curve, layout, run_dir)
+    return layout, curve
+
+
+def optimizer_steps_per_iter(cfg: TrainConfig) -> int:
+    """The optimizer steps of one iteration (`optimizer_steps_per_iteration` of its rows)."""
+    return optimizer_steps_per_iteration(cfg.prompts_per_step * cfg.group_size,
+                                         cfg.micro_batch_size, cfg.grad_accum, cfg.ppo_epochs)
+
+
+def build_trainer(cfg: TrainConfig, run_dir: Path, info: D.DistInfo, *,
+                  prompt_sets: PromptSets | None = None, layout: ChunkLayout | None = None,
+                  chunk_weights: torch.Tensor | None = None, reward_fn=None,
+                  policy: FluxPolicy | None = None) -> Trainer:
+    """Everything an iteration needs; the prompts, reward and policy are read or built from the
+    config unless given, and the layout (with its chunk weights) measured unless given."""
+    prompt_sets = read_prompt_sets(cfg) if prompt_sets is None else prompt_sets
+    reward_fn = resolve_reward(cfg, info.device) if reward_fn is None else as_reward_mix(
+        reward_fn, cfg.reward.name)
+    if policy is None:
+        policy = load_checked_policy(cfg, info.device)
+    if layout is None:
+        layout, curve = resolve_layout(cfg, policy, prompt_sets.train.prompts, run_dir, info)
+        chunk_weights = layout.chunk_weights(curve) if curve is not None else None
+    params = prepare_transformer(
+        policy.transformer, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+        lora_targets=cfg.lora_targets, gradient_checkpointing=cfg.gradient_checkpointing,
+        attention_backend=cfg.attention_backend)
+    optimizer = build_optimizer(params, name=cfg.optimizer, lr=cfg.lr,
+                                betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                                weight_decay=cfg.weight_decay)
+    scheduler = build_lr_scheduler(optimizer, warmup_steps=cfg.warmup_steps,
+                                   total_steps=cfg.max_steps * optimizer_steps_per_iter(cfg),
+                                   kind=cfg.lr_schedule)
+    ema = None
+    if cfg.ema_decay > 0:
+        ema = EMA([(n, p) for n, p in policy.transformer.named_parameters() if p.requires_grad],
+                  cfg.ema_decay)
+    base = None
+    if cfg.eval_hybrid_steps:
+        base = load_policy(cfg, info.device)
+        base.transformer.requires_grad_(False).eval()
+    # On shapes prompts, the shapes world's checks say whether a learned reward's gain kept
+    # prompt fidelity (colour, shape, count, position) or came from reward hacking.
+    fidelity = get_reward("shapes") if cfg.eval_prompts.startswith("shapes:") else None
+    return Trainer(cfg=cfg, info=info, run_dir=run_dir, policy=policy, params=params,
+                   optimizer=optimizer, scheduler=scheduler, ema=ema, reward_fn=reward_fn,
+                   train_prompts=prompt_sets.train.prompts,
+                   eval_prompts=prompt_sets.eval.prompts, layout=layout,
+                   chunk_weights=chunk_weights,
+                   logger=MetricsLogger(run_dir, enabled=info.is_main), base_policy=base,
+                   fidelity_fn=fidelity)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def checkpoint_state(tr: Trainer, bad_streak: int) -> dict:
+    """What a checkpoint holds: the trained weights, the optimizer, schedule and EMA, the
+    fixed chunk layout and weights, and the config."""
+    return {
+        "model": trainable_state_dict(tr.policy.transformer),
+        "optimizer": tr.optimizer.state_dict(),
+        "scheduler": tr.scheduler.state_dict(),
+        "ema": tr.ema.state_dict() if tr.ema is not None else None,
+        "bad_streak": bad_streak,
+        "chunk_layout": list(tr.layout.sizes),
+        "chunk_weights": tr.chunk_weights,
+        "config": tr.cfg.to_dict(),
+    }
+
+
+def restore_state(tr: Trainer, state: dict) -> None:
+    """Load a `checkpoint_state` into a freshly built trainer."""
+    load_trainable_state_dict(tr.policy.transformer, state["model"])
+    tr.optimizer.load_state_dict(state["optimizer"])
+    tr.scheduler.load_state_dict(state["scheduler"])
+    if tr.ema is not None and state.get("ema") is not None:
+        tr.ema.load_state_dict(state["ema"])
