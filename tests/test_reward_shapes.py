@@ -1,5 +1,4 @@
 import dataclasses
-import time
 
 import numpy as np
 import pytest
@@ -177,23 +176,6 @@ def test_registry():
     assert get_reward("test-constant", value=0.25)(None, ["x", "y"]).tolist() == [0.25, 0.25]
     with pytest.raises(ValueError, match="already registered"):
         register_reward("shapes")(Constant)
-
-
-def test_throughput_one_core(reward):
-    rng = np.random.default_rng(4)
-    scenes = [random_scene(rng, split="all") for _ in range(256)]
-    images = to_tensor([render_scene(s, rng=rng) for s in scenes])
-    prompts = [scene_to_prompt(s) for s in scenes]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        reward(images[:8], prompts[:8])  # warm up
-        start = time.perf_counter()
-        reward(images, prompts)
-        rate = len(prompts) / (time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(threads)
-    assert rate >= 200, f"{rate:.0f} images/s"
 
 
 USER_REWARD_MODULE = """
