@@ -61,7 +61,7 @@ def test_cells_give_the_intended_chunk_layouts(num_steps, expected):
     assert cfgs["auto-ws"].chunks.spec == "auto" and cfgs["auto-ws"].weighted_chunks
     assert cfgs["auto-ws"].chunk_fraction == 0.5
     assert cfgs["g2rpo"].algorithm == "g2rpo"
-    assert {c.algorithm for n, c in cfgs.items() if n != "g2rpo"} == {"chunk_grpo"}
+    assert {cfg.algorithm for n, cfg in cfgs.items() if n != "g2rpo"} == {"chunk_grpo"}
 
 
 def test_a_passed_flag_reaches_every_cell_and_a_too_big_chunk_names_its_cell():
