@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from chunk_grpo.noise import initial_noise, step_noise
 from chunk_grpo.rollout import Rollout, decode_images, denoise, prepare_rollout
 from chunk_grpo.specs import GranularityError as GranularityError  # re-exported
 from chunk_grpo.specs import parse_granularities as parse_granularities  # re-exported
@@ -29,7 +30,8 @@ def tail_sigmas(sigmas: torch.Tensor, start: int, stride: int) -> torch.Tensor:
 def sample_branch_rollouts(policy, prompts: list[str], *, group_size: int, num_steps: int,
                            branch_step: int, granularities: tuple[int, ...], shift: float,
                            kind: str, eta: float, cfg_scale: float | None = None,
-                           generator: torch.Generator | None = None, batch_size: int = 64,
+                           seed: int = 0, step: int = 0, row_offset: int = 0,
+                           batch_size: int = 64,
                            antithetic_noise: bool = False, decode: str = "final",
                            mixed_precision: str = "no") -> tuple[Rollout, list[torch.Tensor]]:
     """G branches per prompt at step ``branch_step``; returns (rollout, images per granularity).
@@ -39,25 +41,26 @@ def sample_branch_rollouts(policy, prompts: list[str], *, group_size: int, num_s
     branch step's log-prob in column k and NaN before it (no other transition was sampled);
     ``images`` are the first granularity's.
     ``antithetic_noise`` gives rows 2i and 2i+1 of a group opposite branch noise.
+    Noise is keyed as in `sample_rollouts`: a prompt's initial noise by its global index
+    (``row_offset`` // G + p), a row's branch noise by its global row ``row_offset`` + r.
     """
     if not 0 <= branch_step < num_steps - 1:
         raise ValueError(f"branch_step must be in [0, {num_steps - 2}] (the last transition is "
                          f"not trained), got {branch_step}")
     setup = prepare_rollout(policy, prompts, group_size=group_size, num_steps=num_steps,
                             shift=shift, kind=kind, cfg_scale=cfg_scale, decode=decode,
-                            antithetic_noise=antithetic_noise)
+                            antithetic_noise=antithetic_noise, row_offset=row_offset)
     sigmas, cfg, prompt_embeds = setup.sigmas, setup.cfg_scale, setup.prompt_embeds
     rows, prompt_index = setup.rows, setup.prompt_index
     k = branch_step
     sigma_max = float(sigmas[1])  # the flow kind's s_1 comes from the full schedule
-    # All draws up front (initial noise per prompt, then the branch noise per row), so results
-    # do not depend on batch_size.
-    noise = policy.initial_noise(len(prompts), generator).float()
-    branch_noise = torch.randn((rows, *noise.shape[1:]), generator=generator,
-                               dtype=torch.float32,
-                               device=generator.device if generator is not None else "cpu")
+    # All draws up front (initial noise per prompt, the branch noise per row), keyed by global
+    # index, so results depend on neither batch_size nor the rank.
+    noise = initial_noise(policy, setup.global_prompts, seed=seed, step=step).float()
+    branch_noise = step_noise(setup.global_rows, tuple(noise.shape[1:]), 1, seed=seed, step=step,
+                              purpose="branch")
     if antithetic_noise:
-        branch_noise[1::2] = -branch_noise[0::2]
+        branch_noise[:, 1::2] = -branch_noise[:, 0::2]
 
     # The shared prefix: one ODE trajectory per prompt, x_0 .. x_k.
     prefix = []
@@ -78,7 +81,7 @@ def sample_branch_rollouts(policy, prompts: list[str], *, group_size: int, num_s
         embeds = prompt_embeds.index(prompt_index[sl])
         branch = denoise(policy, prefix[sl, k], embeds, first_tail, sampler=kind, eta=eta,
                          cfg_scale=cfg, mixed_precision=mixed_precision, keep=True,
-                         sde_window=1, step_noise=branch_noise[None, sl], sigma_max=sigma_max)
+                         sde_window=1, step_noise=branch_noise[:, sl], sigma_max=sigma_max)
         x_next, logp = branch.latents[:, 1], branch.logps
         finishes[0].append(decode_images(policy, branch, decode))
         for stride, out in zip(granularities[1:], finishes[1:], strict=True):

@@ -63,6 +63,7 @@ def evaluate_policy(
     eta: float = 0.0,
     cfg_scale: float | None = None,
     seed: int = 0,
+    index_offset: int = 0,
     images_per_prompt: int = 1,
     batch_size: int = 64,
     hybrid_base=None,
@@ -72,7 +73,9 @@ def evaluate_policy(
 ) -> EvalResult:
     """Sample `images_per_prompt` images per prompt with `chunk_grpo.rollout.generate` and score
     them. num_steps/shift default to the model's sampling defaults; the same seed gives the same
-    images.
+    images. Image i (prompt-major: prompts[i // images_per_prompt]) has the noise of global
+    image ``index_offset`` + i, so ranks that each evaluate a slice of a prompt list, with the
+    slice's first global image index, sample between them the images one process would.
 
     Attributes (per-attribute accuracies) come from the reward's own `details` when it has them,
     else from ``fidelity`` (e.g. the shapes reward's GenEval-like checks beside a learned reward,
@@ -86,10 +89,10 @@ def evaluate_policy(
     num_steps = num_steps if num_steps is not None else getattr(defaults, "num_steps", 16)
     shift = shift if shift is not None else getattr(defaults, "shift", 3.0)
     all_prompts = [p for p in prompts for _ in range(images_per_prompt)]
-    generator = torch.Generator(device="cpu").manual_seed(seed)
     start = time.perf_counter()
     images = generate(policy, all_prompts, num_steps=num_steps, shift=shift, sampler=sampler,
-                      eta=eta, cfg_scale=cfg_scale, generator=generator, batch_size=batch_size,
+                      eta=eta, cfg_scale=cfg_scale, seed=seed, index_offset=index_offset,
+                      batch_size=batch_size,
                       hybrid_base=hybrid_base, hybrid_steps=hybrid_steps,
                       progress=progress).cpu()
     seconds = time.perf_counter() - start

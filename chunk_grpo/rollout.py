@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 import grpo_kernels
 from chunk_grpo.chunking import trained_transitions
+from chunk_grpo.noise import check_row_offset, initial_noise, step_noise
 from chunk_grpo.precision import resolve_mixed_precision
 from chunk_grpo.sampling_options import (
     SAMPLERS,
@@ -73,16 +74,6 @@ def sde_steps(num_steps: int, sde_window: int = 0) -> int:
     return min(sde_window, num_steps) if sde_window else num_steps
 
 
-def draw_step_noise(rows: int, latent_shape: tuple[int, ...], num_steps: int, sde_window: int,
-                    generator: torch.Generator | None) -> torch.Tensor:
-    """Every row's step noise [S, rows, *latent_shape] in one draw, so that a row's noise does
-    not depend on how the rows are split into transformer batches. Step-major: with one batch,
-    these are the very values drawing step by step gives."""
-    device = generator.device if generator is not None else "cpu"
-    shape = (sde_steps(num_steps, sde_window), rows, *latent_shape)
-    return torch.randn(shape, generator=generator, dtype=torch.float32, device=device)
-
-
 @dataclass(frozen=True)
 class HybridBase:
     """Hybrid inference: ``policy`` (with its own prompt embeddings) runs steps >= ``from_step``."""
@@ -111,7 +102,8 @@ def denoise(policy, x: torch.Tensor, embeds, sigmas: torch.Tensor, *, sampler: s
 
     With an SDE ``sampler`` and ``sde_window`` k > 0, steps t >= k are ODE steps.
     ``step_noise`` [S, B, ...] holds the draws of the S = `sde_steps` leading stochastic steps
-    (see `draw_step_noise`); None draws each step's noise from ``generator`` as it comes.
+    (see `chunk_grpo.noise.step_noise`); None draws each step's noise from ``generator`` as it
+    comes.
     ``sigma_max``: the schedule's s_1 for the flow kind (default sigmas[1]; give it when
     ``sigmas`` is the tail of a longer schedule). ``keep`` keeps every x_t.
     """
@@ -162,29 +154,44 @@ class RolloutSetup:
     cfg_scale: float
     prompt_embeds: object
     prompt_index: torch.Tensor  # [P * G] long
+    row_offset: int  # the global index of row 0 (a rank's offset in the global batch)
+    group_size: int
 
     @property
     def rows(self) -> int:
         return self.prompt_index.numel()
 
+    @property
+    def global_rows(self) -> range:
+        """The global image index of every row: what its noise is keyed by."""
+        return range(self.row_offset, self.row_offset + self.rows)
+
+    @property
+    def global_prompts(self) -> range:
+        """The global index of every prompt: what shared (per-prompt) noise is keyed by."""
+        first = self.row_offset // self.group_size
+        return range(first, first + self.rows // self.group_size)
+
 
 def prepare_rollout(policy, prompts: list[str], *, group_size: int, num_steps: int,
                     shift: float, kind: str, cfg_scale: float | None, decode: str,
-                    antithetic_noise: bool) -> RolloutSetup:
+                    antithetic_noise: bool, row_offset: int) -> RolloutSetup:
     """Check a rollout's settings (one line naming the fix), then encode its prompts once."""
     check_sde_kind(kind)
     check_decode(decode)
     check_antithetic(antithetic_noise, group_size)
+    check_row_offset(row_offset, group_size)
     return RolloutSetup(sigmas=flux_sigmas(num_steps, shift),
                         cfg_scale=resolve_cfg_scale(policy, cfg_scale),
                         prompt_embeds=policy.encode_prompts(list(prompts)),
-                        prompt_index=torch.arange(len(prompts)).repeat_interleave(group_size))
+                        prompt_index=torch.arange(len(prompts)).repeat_interleave(group_size),
+                        row_offset=row_offset, group_size=group_size)
 
 
 @torch.no_grad()
 def sample_rollouts(policy, prompts: list[str], *, group_size: int, num_steps: int,
                     shift: float, kind: str, eta: float, cfg_scale: float | None = None,
-                    generator: torch.Generator | None = None, batch_size: int = 64,
+                    seed: int = 0, step: int = 0, row_offset: int = 0, batch_size: int = 64,
                     shared_noise: bool = False, antithetic_noise: bool = False,
                     decode: str = "final",
                     mixed_precision: str = "no", sde_window: int = 0,
@@ -201,6 +208,11 @@ def sample_rollouts(policy, prompts: list[str], *, group_size: int, num_steps: i
     so its log-probs and the estimator's expectation are unchanged; the reward's even part in
     the noise cancels within a pair. Needs an even group size.
 
+    Noise is keyed by image (`chunk_grpo.noise`): row r's initial and step noise come from
+    (``seed``, ``step``, ``row_offset`` + r), shared noise from the global prompt index, so a
+    rank sampling rows [o, o + n) of a global batch (``row_offset`` o, a whole number of groups)
+    draws what one process sampling the whole batch draws for them, whatever ``batch_size``.
+
     Rows are prompt-major (rows p*G .. p*G+G-1 belong to prompt p). The transformer sees
     ``batch_size`` rows at a time; prompts are encoded once. ``on_batch(images, row_prompts,
     index)`` is called with each batch's decoded images as soon as they exist (the trainer
@@ -208,15 +220,17 @@ def sample_rollouts(policy, prompts: list[str], *, group_size: int, num_steps: i
     """
     setup = prepare_rollout(policy, prompts, group_size=group_size, num_steps=num_steps,
                             shift=shift, kind=kind, cfg_scale=cfg_scale, decode=decode,
-                            antithetic_noise=antithetic_noise)
+                            antithetic_noise=antithetic_noise, row_offset=row_offset)
     rows, prompt_index = setup.rows, setup.prompt_index
     if shared_noise:
-        noise = policy.initial_noise(len(prompts), generator).repeat_interleave(group_size, 0)
+        noise = initial_noise(policy, setup.global_prompts, seed=seed, step=step)
+        noise = noise.repeat_interleave(group_size, 0)
     else:
-        noise = policy.initial_noise(rows, generator)
-    step_noise = draw_step_noise(rows, tuple(noise.shape[1:]), num_steps, sde_window, generator)
+        noise = initial_noise(policy, setup.global_rows, seed=seed, step=step)
+    steps_noise = step_noise(setup.global_rows, tuple(noise.shape[1:]),
+                             sde_steps(num_steps, sde_window), seed=seed, step=step)
     if antithetic_noise:  # rows are prompt-major and G is even: pairs never cross a group
-        step_noise[:, 1::2] = -step_noise[:, 0::2]
+        steps_noise[:, 1::2] = -steps_noise[:, 0::2]
         if not shared_noise:
             noise[1::2] = -noise[0::2]
     all_latents, all_logps, images = [], [], []
@@ -224,9 +238,8 @@ def sample_rollouts(policy, prompts: list[str], *, group_size: int, num_steps: i
         idx = prompt_index[start:start + batch_size]
         out = denoise(policy, noise[start:start + batch_size].float(),
                       setup.prompt_embeds.index(idx), setup.sigmas, sampler=kind, eta=eta,
-                      cfg_scale=setup.cfg_scale, generator=generator,
-                      mixed_precision=mixed_precision, keep=True, sde_window=sde_window,
-                      step_noise=step_noise[:, start:start + batch_size])
+                      cfg_scale=setup.cfg_scale, mixed_precision=mixed_precision, keep=True,
+                      sde_window=sde_window, step_noise=steps_noise[:, start:start + batch_size])
         all_latents.append(out.latents)
         all_logps.append(out.logps)
         images.append(decode_images(policy, out, decode))
@@ -240,7 +253,7 @@ def sample_rollouts(policy, prompts: list[str], *, group_size: int, num_steps: i
 @torch.no_grad()
 def generate(policy, prompts: list[str], *, num_steps: int = 16, shift: float = 3.0,
              sampler: str = "ode", eta: float = 0.0, cfg_scale: float | None = None,
-             generator: torch.Generator | None = None, batch_size: int = 64,
+             seed: int = 0, index_offset: int = 0, batch_size: int = 64,
              hybrid_base=None, hybrid_steps: int = 0,
              mixed_precision: str = "no", progress: bool = False) -> torch.Tensor:
     """Images [B, 3, H, W] in [0, 1] for ``prompts``, one per prompt.
@@ -248,6 +261,10 @@ def generate(policy, prompts: list[str], *, num_steps: int = 16, shift: float = 
     sampler: "ode" or an SDE kind (then ``eta`` > 0). Hybrid inference: the first
     ``hybrid_steps`` steps use ``policy``, the rest ``hybrid_base`` (another FluxPolicy).
     ``progress``: a tqdm bar over the images.
+
+    Image i's noise is keyed by (``seed``, ``index_offset`` + i) (`chunk_grpo.noise`): a list
+    split across ranks, each giving its first image's global index, samples the images one
+    process sampling the whole list does.
     """
     if sampler not in SAMPLERS:
         raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
@@ -255,18 +272,21 @@ def generate(policy, prompts: list[str], *, num_steps: int = 16, shift: float = 
         raise ValueError(f"eta must be > 0 for the SDE sampler {sampler!r}, got {eta}")
     if batch_size < 1 or num_steps < 1:
         raise ValueError("batch_size and num_steps must be >= 1")
+    if index_offset < 0:
+        raise ValueError(f"index_offset must be >= 0 (the first image's global index), "
+                         f"got {index_offset}")
     if hybrid_base is None and hybrid_steps:
         raise ValueError("hybrid_steps > 0 needs hybrid_base (the base FluxPolicy)")
     if hybrid_base is not None and not 0 <= hybrid_steps <= num_steps:
         raise ValueError(f"hybrid_steps must be in [0, {num_steps}], got {hybrid_steps}")
     cfg = resolve_cfg_scale(policy, cfg_scale)
     sigmas = flux_sigmas(num_steps, shift)
-    # All draws up front: an image's noise does not depend on the batch it is sampled in.
-    initial = policy.initial_noise(len(prompts), generator).float()
-    step_noise = None
+    # All draws up front, keyed by image: its noise depends on neither batch nor rank.
+    images_index = range(index_offset, index_offset + len(prompts))
+    initial = initial_noise(policy, images_index, seed=seed).float()
+    steps_noise = None
     if sampler != "ode":
-        step_noise = draw_step_noise(len(prompts), tuple(initial.shape[1:]), num_steps, 0,
-                                     generator)
+        steps_noise = step_noise(images_index, tuple(initial.shape[1:]), num_steps, seed=seed)
     images = []
     bar = tqdm(total=len(prompts), unit="img", desc="sampling", disable=not progress)
     for start in range(0, len(prompts), batch_size):
@@ -276,9 +296,9 @@ def generate(policy, prompts: list[str], *, num_steps: int = 16, shift: float = 
             hybrid = HybridBase(hybrid_base, hybrid_base.encode_prompts(batch), hybrid_steps)
         rows = slice(start, start + batch_size)
         out = denoise(policy, initial[rows], policy.encode_prompts(batch), sigmas,
-                      sampler=sampler, eta=eta, cfg_scale=cfg, generator=generator,
-                      mixed_precision=mixed_precision, hybrid=hybrid,
-                      step_noise=None if step_noise is None else step_noise[:, rows])
+                      sampler=sampler, eta=eta, cfg_scale=cfg, mixed_precision=mixed_precision,
+                      hybrid=hybrid,
+                      step_noise=None if steps_noise is None else steps_noise[:, rows])
         images.append(decode_images(policy, out))  # the VAE is shared: only transformers differ
         bar.update(len(batch))
     bar.close()

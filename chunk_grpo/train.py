@@ -120,10 +120,11 @@ def collect_batch(tr: Trainer, step: int, timer: _PhaseTimer | None = None, *,
     gen = D.step_generator(cfg.seed, step, 0, "chunks")
     weights = tr.chunk_weights if cfg.weighted_chunks else None
     strides = parse_granularities(cfg.g2rpo_granularities) if cfg.algorithm == "g2rpo" else (1,)
-    rollout_gen = D.step_generator(cfg.seed, step, info.rank, "rollout")
+    # Noise keyed by global image index: this rank's rows start at rank * P * G.
     common = dict(group_size=cfg.group_size, num_steps=cfg.num_steps, shift=tr.shift,
-                  kind=cfg.sde_kind, eta=cfg.eta, cfg_scale=tr.cfg_scale,
-                  generator=rollout_gen, batch_size=cfg.rollout_batch_size,
+                  kind=cfg.sde_kind, eta=cfg.eta, cfg_scale=tr.cfg_scale, seed=cfg.seed,
+                  step=step, row_offset=info.rank * len(prompts) * cfg.group_size,
+                  batch_size=cfg.rollout_batch_size,
                   antithetic_noise=cfg.antithetic_noise, decode=cfg.decode,
                   mixed_precision=cfg.mixed_precision)
     with RolloutScorer(tr.reward_fn, overlap=cfg.reward_overlap) as scorer:

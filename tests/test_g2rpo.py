@@ -19,6 +19,7 @@ from chunk_grpo.checkpoint import load_checkpoint
 from chunk_grpo.config import ConfigError
 from chunk_grpo.metrics import read_metrics
 from chunk_grpo.models import FluxPolicy
+from chunk_grpo.noise import initial_noise
 from chunk_grpo.rollout import denoise
 from chunk_grpo.schedule import flux_sigmas
 from chunk_grpo.train import run, train_iteration
@@ -36,7 +37,7 @@ def policy(tmp_path_factory):
 def _sample(policy, branch_step, seed=0, **overrides):
     kwargs = {**KW, **overrides}
     return sample_branch_rollouts(policy, PROMPTS, branch_step=branch_step,
-                                  generator=torch.Generator().manual_seed(seed), **kwargs)
+                                  seed=seed, **kwargs)
 
 
 def _ode(policy, x, prompt_rows, sigmas):
@@ -68,7 +69,7 @@ def test_one_ode_prefix_per_prompt_one_branch_and_finishes(policy, k):
     sigmas = flux_sigmas(5, 3.0)
     # The prefix x_0..x_k is the prompt's ODE trajectory from its initial noise, the same for
     # the whole group.
-    noise = policy.initial_noise(3, torch.Generator().manual_seed(0)).float()
+    noise = initial_noise(policy, range(3), seed=0).float()
     _, prefix = _ode(policy, noise, [0, 1, 2], sigmas[:k + 1]) if k else (None, noise[:, None])
     assert torch.allclose(rollout.latents[:, :k + 1], prefix.repeat_interleave(g, 0), atol=1e-5)
     # The branch: every row its own x_{k+1}, with the sampler's log-prob in column k only.

@@ -215,7 +215,7 @@ def test_rollout_hook_sees_each_batch_in_order(tmp_path):
     seen = []
     rollout = sample_rollouts(policy, ["a red circle", "two blue squares"], group_size=3,
                               num_steps=3, shift=3.0, kind="flow", eta=0.7, batch_size=4,
-                              generator=torch.Generator().manual_seed(0),
+                              seed=0,
                               on_batch=lambda im, p, i: seen.append((i, im.clone(), p)))
     assert [i for i, _, _ in seen] == [0, 1]
     assert torch.equal(torch.cat([im for _, im, _ in seen]), rollout.images)

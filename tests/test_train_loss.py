@@ -30,7 +30,7 @@ def setup(tmp_path_factory):
     policy = FluxPolicy.from_pretrained(tiny_model_dir(tmp_path_factory.mktemp("m")))
     rollout = sample_rollouts(policy, ["a red circle", "two blue squares"], group_size=3,
                               num_steps=5, shift=3.0, kind="flow", eta=ETA,
-                              generator=torch.Generator().manual_seed(0))
+                              seed=0)
     return policy, rollout
 
 
