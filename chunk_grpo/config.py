@@ -162,9 +162,8 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     lora_rank: int = 8  # 0 = full fine-tuning
     lora_alpha: float | None = None  # None = lora_rank
-    lora_targets: list[str] = field(
-        default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"]
-    )
+    # a preset (attention | attention+text | all: chunk_grpo.policy_setup.LORA_PRESETS) or names
+    lora_targets: list[str] = field(default_factory=lambda: ["attention+text"])
     ema_decay: float = 0.0  # 0 = no EMA
     attention_backend: str = "auto"  # auto (flash if installed, else native) | native | flash
     guidance: float | None = None  # FLUX.1-dev's distilled guidance; None = the model's default

@@ -1,5 +1,6 @@
-"""Prepare the transformer for training: LoRA or full fine-tuning, activation checkpointing,
-the attention backend; and export the trained weights as a plain diffusers directory."""
+"""Prepare the transformer for training: LoRA (on a preset or named modules) or full
+fine-tuning, activation checkpointing, the attention backend; and export the trained weights as a
+plain diffusers directory."""
 
 from __future__ import annotations
 
@@ -9,6 +10,24 @@ import shutil
 from pathlib import Path
 
 import torch
+
+from chunk_grpo.weights_dtype import keep_trainable_fp32
+
+# LoRA target presets, by module name inside FLUX's blocks (diffusers' FluxTransformer2DModel:
+# `transformer_blocks` are the double-stream blocks, `single_transformer_blocks` the single ones).
+_ATTENTION = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0")
+_TEXT_ATTENTION = ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
+_REST_OF_BLOCKS = (
+    "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",  # double: MLPs
+    "norm1.linear", "norm1_context.linear",  # double: the AdaLN modulation linears
+    "proj_mlp", "proj_out", "norm.linear",  # single: MLP in, fused output, AdaLN modulation
+)
+LORA_PRESETS = {
+    "attention": _ATTENTION,  # the image stream's attention (and the single blocks' q, k, v)
+    "attention+text": _ATTENTION + _TEXT_ATTENTION,  # both streams, as Flow-GRPO trains
+    "all": _ATTENTION + _TEXT_ATTENTION + _REST_OF_BLOCKS,  # every linear layer of every block
+}
+_BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks")
 
 
 def attention_backend_name(requested: str) -> str:
@@ -21,20 +40,72 @@ def attention_backend_name(requested: str) -> str:
     return requested
 
 
+def lora_target_modules(spec: str | list[str] | tuple[str, ...]) -> list[str]:
+    """The module names a LoRA targets: a preset (`LORA_PRESETS`: attention, attention+text,
+    all), given as a name or a one-element list; or a list of module names, kept as given (a
+    name matches every module whose dotted name ends with it, as in PEFT)."""
+    preset = _preset_name(spec)
+    if preset is not None:
+        return list(LORA_PRESETS[preset])
+    names = [spec] if isinstance(spec, str) else list(spec)
+    presets = [n for n in names if n in LORA_PRESETS]
+    if presets:
+        raise ValueError(f"lora_targets: the preset {presets[0]!r} cannot be mixed with module "
+                         f"names; give either one preset or a list of module names")
+    if not names:
+        raise ValueError(f"lora_targets is empty; give a preset ({', '.join(LORA_PRESETS)}) or "
+                         "module names like to_q,to_k")
+    return names
+
+
+def _preset_name(spec: str | list[str] | tuple[str, ...]) -> str | None:
+    names = [spec] if isinstance(spec, str) else list(spec)
+    return names[0] if len(names) == 1 and names[0] in LORA_PRESETS else None
+
+
+def resolve_lora_targets(transformer: torch.nn.Module,
+                         spec: str | list[str] | tuple[str, ...]) -> list[str]:
+    """The full names of the modules LoRA wraps for ``spec`` (see `lora_target_modules`).
+
+    A preset names modules inside the transformer blocks only (FLUX's top-level `proj_out` is
+    not a single block's `proj_out`); a name that matches no module is an error naming the
+    presets."""
+    names = lora_target_modules(spec)
+    modules = [n for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)]
+    if _preset_name(spec) is not None:
+        block = {n: n.split(".", 2)[2] for n in modules
+                 if n.split(".", 1)[0] in _BLOCK_LISTS and n.count(".") >= 2}
+        targets = [n for n, inner in block.items() if inner in names]
+    else:
+        targets = [n for n in modules if any(n == t or n.endswith("." + t) for t in names)]
+        unmatched = [t for t in names if not any(n == t or n.endswith("." + t) for n in modules)]
+        if unmatched:
+            raise ValueError(f"lora_targets: {unmatched[0]!r} is neither a preset "
+                             f"({', '.join(LORA_PRESETS)}) nor the name of a linear layer of the "
+                             f"transformer (e.g. to_q, to_k, to_v, to_out.0, add_q_proj); fix it")
+    if not targets:
+        raise ValueError(f"lora_targets {names} match no linear layer of the transformer; use a "
+                         f"preset ({', '.join(LORA_PRESETS)}) or its module names")
+    return targets
+
+
 def prepare_transformer(transformer: torch.nn.Module, *, lora_rank: int,
-                        lora_alpha: float | None, lora_targets: list[str],
+                        lora_alpha: float | None, lora_targets: str | list[str],
                         gradient_checkpointing: bool, attention_backend: str) -> list:
-    """Configure in place; returns the trainable parameters."""
+    """Configure in place; returns the trainable parameters (fp32 LoRA adapters on a base of
+    any dtype, or the whole transformer)."""
     transformer.set_attention_backend(attention_backend_name(attention_backend))
     if gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     if lora_rank > 0:
         from peft import LoraConfig
 
+        targets = resolve_lora_targets(transformer, lora_targets)
         transformer.requires_grad_(False)
         transformer.add_adapter(LoraConfig(
-            r=lora_rank, lora_alpha=lora_alpha or lora_rank, target_modules=list(lora_targets),
+            r=lora_rank, lora_alpha=lora_alpha or lora_rank, target_modules=targets,
             init_lora_weights="gaussian"))
+        keep_trainable_fp32(transformer)
     else:
         transformer.requires_grad_(True)
     transformer.train()

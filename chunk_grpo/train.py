@@ -17,7 +17,7 @@ With ``algorithm: g2rpo`` step 2 branches each prompt's ODE trajectory at one st
 the branches at several strides (`chunk_grpo.branching`), step 4 sums the finishes' advantages,
 and step 5 trains that one step.
 Simplifications: gradients are averaged across ranks by an all-reduce after backward (no DDP
-overlap); the hybrid-evaluation base model is a second frozen copy of the base weights.
+overlap). The hybrid-evaluation base comes from the policy's own weights (`chunk_grpo.hybrid_base`).
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ from chunk_grpo.config import (
     run_cli,
     save_config,
 )
+from chunk_grpo.hybrid_base import hybrid_base
 from chunk_grpo.metrics import MetricsLogger, reward_captions, save_image_grid
 from chunk_grpo.optim import EMA, build_lr_scheduler, build_optimizer
 from chunk_grpo.policy_setup import (
@@ -65,6 +66,7 @@ from chunk_grpo.policy_setup import (
 from chunk_grpo.policy_update import optimizer_step_after, plan_units, update_policy
 from chunk_grpo.precision import resolve_mixed_precision
 from chunk_grpo.profile import measure_dynamics, propose_chunks, save_profile
+from chunk_grpo.prompt_cache import setup_text_encoders, text_encoder_device
 from chunk_grpo.prompts import PromptSet, check_prompts, load_prompt_set, load_prompts
 from chunk_grpo.rewards import get_reward
 from chunk_grpo.rewards.mix import RewardMix, as_reward_mix
@@ -75,6 +77,7 @@ from chunk_grpo.schedule import dynamic_shift
 from chunk_grpo.scoring import RolloutScorer, constant_within_groups, probe_reward
 from chunk_grpo.stats import mean_ci95
 from chunk_grpo.summary import Comparison, before_after_grid, save_summary, summary_text
+from chunk_grpo.weights_dtype import load_dtypes, resolve_weights_dtype
 
 GRID_IMAGES = 32  # evaluation images kept for grids (the rest are dropped after scoring)
 
@@ -364,11 +367,16 @@ def load_policy(cfg: TrainConfig, device: torch.device):
     from chunk_grpo.models import FluxPolicy
     from chunk_grpo.models.sampling_defaults import apply_sampling_size
 
-    policy = FluxPolicy.from_pretrained(_model_path(cfg.model), device=device)
+    # [memory] frozen parts in weights_dtype, text encoders where text_encoders puts them
+    dtype, frozen_dtype = load_dtypes(cfg.weights_dtype, device, cfg.lora_rank)
+    policy = FluxPolicy.from_pretrained(
+        _model_path(cfg.model), device=device, dtype=dtype, frozen_dtype=frozen_dtype,
+        text_encoder_device=text_encoder_device(cfg.text_encoders, device))
     try:
         apply_sampling_size(policy, cfg.height, cfg.width, source=_model_path(cfg.model),
                             found_file=policy.sampling_file_found,
                             how="height and width (--height H --width W, or in the YAML)")
+        policy.set_guidance(cfg.guidance)  # [memory] the guidance config field
     except ValueError as err:
         raise ConfigError(str(err)) from None
     return policy
@@ -468,9 +476,8 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, info: D.DistInfo,
         ema = EMA([(n, p) for n, p in policy.transformer.named_parameters() if p.requires_grad],
                   cfg.ema_decay)
     base = None
-    if cfg.eval_hybrid_steps:
-        base = load_policy(cfg, info.device)
-        base.transformer.requires_grad_(False).eval()
+    if cfg.eval_hybrid_steps:  # [memory] the base from the same weights, before any step
+        base = hybrid_base(policy, resolve_weights_dtype(cfg.weights_dtype, info.device))
     weights = layout.chunk_weights(curve) if curve is not None else None
     # On shapes prompts, the shapes world's checks say whether a learned reward's gain kept
     # prompt fidelity (colour, shape, count, position) or came from reward hacking.
@@ -520,6 +527,10 @@ def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = F
     policy = load_checked_policy(cfg, info.device)
     check_prompt_sets(prompt_sets, policy, reward_fn)
     check_reward(cfg, reward_fn, policy)
+    # [memory] text_encoders: cache -> every prompt embedded once (on disk), encoders freed
+    setup_text_encoders(policy, cfg.text_encoders,
+                        [p for s in prompt_sets.values() for p in s.prompts],
+                        cfg.prompt_cache_dir, info, progress=cfg.progress)
     run_dir = Path(run_dir or cfg.output_dir or _default_run_dir())
     lock = RunLock(run_dir)
     if info.is_main:
@@ -664,6 +675,8 @@ def _kept_checkpoint(run_dir: Path) -> str:
 
 def export_final(tr: Trainer) -> Path:
     """final_model/: a diffusers directory (EMA weights if enabled, LoRA merged)."""
+    if not tr.policy.has_text_encoders:  # [memory] freed after caching: the export needs them
+        tr.policy.reload_text_encoders("cpu")
     if tr.ema is not None:
         tr.ema.swap()
     try:
