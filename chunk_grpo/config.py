@@ -274,6 +274,13 @@ class TrainConfig:
             parse_granularities(self.g2rpo_granularities)
         except GranularityError as err:
             raise ConfigError(f"g2rpo_granularities: {err}") from None
+        if self.lora_rank > 0:  # a preset name, or module names (not both)
+            from chunk_grpo.policy_setup import lora_target_modules
+
+            try:
+                lora_target_modules(self.lora_targets)
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
         if self.algorithm == "g2rpo" and not self.shared_noise:
             raise ConfigError("algorithm g2rpo branches one ODE trajectory per prompt, so the "
                               "group shares its initial noise: set shared_noise: true")

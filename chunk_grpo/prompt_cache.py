@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -61,8 +62,14 @@ def _weights_fingerprint(module: torch.nn.Module) -> str:
 
 def _tokenizer_fingerprint(tokenizer) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    text = backend.to_str() if backend is not None else json.dumps(
-        sorted(tokenizer.get_vocab().items()))
+    if backend is not None:
+        described = json.loads(backend.to_str())
+        # The last call's truncation and padding settings are stored too: not an identity.
+        described.pop("truncation", None)
+        described.pop("padding", None)
+    else:
+        described = sorted(tokenizer.get_vocab().items())
+    text = json.dumps(described, sort_keys=True)
     return hashlib.sha256(f"{type(tokenizer).__name__}:{text}".encode()).hexdigest()
 
 
@@ -157,7 +164,8 @@ class PromptCache:
 
 def build_prompt_cache(policy, prompts: list[str], prompt_cache_dir: str = "", *,
                        batch_size: int = 16, writer: bool = True,
-                       wait: callable = lambda: None, progress: bool = True) -> PromptCache:
+                       wait: Callable[[], None] = lambda: None,
+                       progress: bool = True) -> PromptCache:
     """Encode the prompts the cache lacks and write them (if ``writer``), then ``wait()`` (a
     barrier: the other processes read what the writer wrote); returns the cache. Every process
     then checks that all ``prompts`` are there."""
