@@ -95,3 +95,28 @@ def test_cpu_text_encoders_move_only_the_embeddings(model_dir):
     assert policy.pipeline.text_encoder_2.device.type == "cpu"
     _assert_same(policy.encode_prompts(PROMPTS), FluxPolicy.from_pretrained(
         model_dir).encode_prompts(PROMPTS))
+
+
+def test_a_run_with_cached_prompts_trains_evaluates_and_exports(tmp_path):
+    from trainer_utils import tiny_config, tiny_model_dir
+
+    from chunk_grpo.metrics import read_metrics
+    from chunk_grpo.train import run
+
+    model = tiny_model_dir(tmp_path)
+    train, heldout = tmp_path / "train.txt", tmp_path / "heldout.txt"
+    train.write_text("a red circle\ntwo blue squares\n")
+    heldout.write_text("a green triangle\n")
+    cache_dir = tmp_path / "cache"
+    cfg = tiny_config(model, tmp_path / "run", max_steps=1, lora_rank=4, eval_hybrid_steps=2,
+                      train_prompts=str(train), eval_prompts=str(heldout),
+                      text_encoders="cache", prompt_cache_dir=str(cache_dir))
+    out = run(cfg)
+    record = read_metrics(out / "metrics.jsonl")[-1]
+    assert "eval_hybrid/reward_mean" in record and "eval/gain_vs_base" in record
+    (directory,) = cache_dir.iterdir()
+    assert len(list(directory.glob("*.safetensors"))) == 4  # 2 + 1 prompts and the negative
+    # The export has its text encoders back (reloaded from the model after being freed).
+    exported = FluxPolicy.from_pretrained(out / "final_model")
+    _assert_same(exported.encode_prompts(["a red circle"]),
+                 FluxPolicy.from_pretrained(model).encode_prompts(["a red circle"]))

@@ -190,7 +190,8 @@ class FluxPolicy:
             module = encoder_class.from_pretrained(self.source, subfolder=name,
                                                    dtype=self.vae.dtype)
             module.requires_grad_(False).eval().to(device)
-            setattr(self.pipeline, name, module)
+            # register_modules, not setattr: it also restores the model_index entry for saving.
+            self.pipeline.register_modules(**{name: module})
             del self._freed_encoders[name]
 
     def latent_grid(self, height: int | None = None, width: int | None = None) -> tuple[int, int]:
