@@ -174,11 +174,17 @@ def build_prompt_cache(policy, prompts: list[str], prompt_cache_dir: str = "", *
         todo = cache.missing(prompts)
         bar = tqdm(total=len(todo), unit="prompt", desc="caching prompt embeddings",
                    disable=not progress or not todo)
-        for start in range(0, len(todo), batch_size):
-            batch = todo[start:start + batch_size]
-            cache.write(batch, policy.encode_with_text_encoders(batch))
-            bar.update(len(batch))
-        bar.close()
+        try:
+            for start in range(0, len(todo), batch_size):
+                batch = todo[start:start + batch_size]
+                cache.write(batch, policy.encode_with_text_encoders(batch))
+                bar.update(len(batch))
+        except OSError as err:
+            raise PromptCacheError(f"cannot write the prompt cache {cache.directory}: "
+                                   f"{err.strerror or err}; choose a writable prompt_cache_dir "
+                                   f"with room for the embeddings, or text_encoders: cpu") from None
+        finally:
+            bar.close()
     wait()
     missing = cache.missing(prompts)
     if missing:

@@ -90,6 +90,14 @@ def test_a_reader_waits_for_the_writer_and_fails_on_a_missing_prompt(model_dir, 
                            progress=False)
 
 
+def test_an_unwritable_cache_directory_is_one_clear_error(model_dir, tmp_path):
+    (tmp_path / "file").write_text("in the way")
+    with pytest.raises(PromptCacheError, match="cannot write the prompt cache .* choose a "
+                                               "writable prompt_cache_dir"):
+        build_prompt_cache(FluxPolicy.from_pretrained(model_dir), PROMPTS,
+                           str(tmp_path / "file" / "cache"), progress=False)
+
+
 def test_cpu_text_encoders_move_only_the_embeddings(model_dir):
     policy = FluxPolicy.from_pretrained(model_dir, text_encoder_device="cpu")
     assert policy.pipeline.text_encoder_2.device.type == "cpu"
