@@ -49,9 +49,8 @@ class ModelConfig:
     compile_blocks: bool = False  # torch.compile each transformer block
     lora_rank: int = 8  # 0 = full fine-tuning
     lora_alpha: float | None = None  # None = lora_rank
-    lora_targets: list[str] = field(
-        default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"]
-    )
+    # a preset (attention | attention+text | all: chunk_grpo.specs.LORA_PRESETS) or module names
+    lora_targets: list[str] = field(default_factory=lambda: ["attention+text"])
     guidance: float | None = None  # FLUX.1-dev's distilled guidance; None = the model's default
     text_encoders: str = "keep"  # keep (on the device) | cache (embed once, free them) | cpu
     prompt_cache_dir: str = ""  # text_encoders: cache; "" = ~/.cache/chunk_grpo/prompt_embeds

@@ -15,7 +15,13 @@ from typing import TYPE_CHECKING
 from chunk_grpo.errors import ConfigError
 from chunk_grpo.reward_spec import RewardSpecError, parse_reward_spec
 from chunk_grpo.sampling_options import DECODE_TARGETS, SDE_KINDS, check_antithetic
-from chunk_grpo.specs import ChunkSpecError, GranularityError, chunk_sizes, parse_granularities
+from chunk_grpo.specs import (
+    ChunkSpecError,
+    GranularityError,
+    chunk_sizes,
+    lora_target_modules,
+    parse_granularities,
+)
 
 if TYPE_CHECKING:
     from chunk_grpo.config import TrainConfig
@@ -136,6 +142,11 @@ def _check_specs(cfg: TrainConfig, name: Callable[[str], str]) -> None:
         parse_granularities(cfg.sampling.g2rpo_granularities)
     except GranularityError as err:
         raise ConfigError(f"{name('sampling.g2rpo_granularities')}: {err}") from None
+    if cfg.model.lora_rank > 0:  # a preset name, or module names (not both)
+        try:
+            lora_target_modules(cfg.model.lora_targets)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     if cfg.sampling.algorithm == "g2rpo" and not cfg.sampling.shared_noise:
         raise ConfigError(f"{name('sampling.algorithm')} g2rpo branches one ODE trajectory per "
                           f"prompt, so the group shares its initial noise: set "

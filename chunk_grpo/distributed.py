@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from chunk_grpo.config import ConfigError
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -30,7 +32,8 @@ def init_distributed(device: str = "auto") -> DistInfo:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but CUDA is not available; use device: cpu")
+        raise ConfigError("device: cuda is set but CUDA is not available on this machine (no GPU "
+                          "visible, or a CPU-only torch); use device: cpu or auto")
     dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(dev)

@@ -1,5 +1,6 @@
-"""Prepare the transformer for training: LoRA or full fine-tuning, activation checkpointing,
-the attention backend; and export the trained weights as a plain diffusers directory."""
+"""Prepare the transformer for training: LoRA (on a preset or named modules) or full
+fine-tuning, activation checkpointing, the attention backend; and export the trained weights as a
+plain diffusers directory."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ import shutil
 from pathlib import Path
 
 import torch
+
+from chunk_grpo.specs import LORA_PRESETS, lora_target_modules, preset_name
+from chunk_grpo.weights_dtype import keep_trainable_fp32
+
+_BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks")
 
 
 def attention_backend_name(requested: str) -> str:
@@ -21,20 +27,49 @@ def attention_backend_name(requested: str) -> str:
     return requested
 
 
+def resolve_lora_targets(transformer: torch.nn.Module,
+                         spec: str | list[str] | tuple[str, ...]) -> list[str]:
+    """The full names of the modules LoRA wraps for ``spec`` (see `lora_target_modules`).
+
+    A preset names modules inside the transformer blocks only (FLUX's top-level `proj_out` is
+    not a single block's `proj_out`); a name that matches no module is an error naming the
+    presets."""
+    names = lora_target_modules(spec)
+    modules = [n for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)]
+    if preset_name(spec) is not None:
+        block = {n: n.split(".", 2)[2] for n in modules
+                 if n.split(".", 1)[0] in _BLOCK_LISTS and n.count(".") >= 2}
+        targets = [n for n, inner in block.items() if inner in names]
+    else:
+        targets = [n for n in modules if any(n == t or n.endswith("." + t) for t in names)]
+        unmatched = [t for t in names if not any(n == t or n.endswith("." + t) for n in modules)]
+        if unmatched:
+            raise ValueError(f"lora_targets: {unmatched[0]!r} is neither a preset "
+                             f"({', '.join(LORA_PRESETS)}) nor the name of a linear layer of the "
+                             f"transformer (e.g. to_q, to_k, to_v, to_out.0, add_q_proj); fix it")
+    if not targets:
+        raise ValueError(f"lora_targets {names} match no linear layer of the transformer; use a "
+                         f"preset ({', '.join(LORA_PRESETS)}) or its module names")
+    return targets
+
+
 def prepare_transformer(transformer: torch.nn.Module, *, lora_rank: int,
-                        lora_alpha: float | None, lora_targets: list[str],
+                        lora_alpha: float | None, lora_targets: str | list[str],
                         gradient_checkpointing: bool, attention_backend: str) -> list:
-    """Configure in place; returns the trainable parameters."""
+    """Configure in place; returns the trainable parameters (fp32 LoRA adapters on a base of
+    any dtype, or the whole transformer)."""
     transformer.set_attention_backend(attention_backend_name(attention_backend))
     if gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     if lora_rank > 0:
         from peft import LoraConfig
 
+        targets = resolve_lora_targets(transformer, lora_targets)
         transformer.requires_grad_(False)
         transformer.add_adapter(LoraConfig(
-            r=lora_rank, lora_alpha=lora_alpha or lora_rank, target_modules=list(lora_targets),
+            r=lora_rank, lora_alpha=lora_alpha or lora_rank, target_modules=targets,
             init_lora_weights="gaussian"))
+        keep_trainable_fp32(transformer)
     else:
         transformer.requires_grad_(True)
     transformer.train()

@@ -249,7 +249,8 @@ def check_prompts(prompt_set: PromptSet, policy, reward=None) -> list[str]:
         longest, count = (0, ""), 0
         for prompt, place in zip(prompt_set.prompts, prompt_set.places, strict=True):
             try:
-                n_tokens = len(tokenizer(prompt.lower(), truncation=False, verbose=False).input_ids)
+                text = prompt.lower() if reads_lowercase_only(tokenizer) else prompt
+                n_tokens = len(tokenizer(text, truncation=False, verbose=False).input_ids)
             except Exception as err:  # a tokenizer may raise anything on a text it cannot read
                 raise PromptSetError(f"{prompt_set.source} {place}: the text encoder's {attr} "
                                      f"refuses {_short(prompt)} ({_first_line(err)}); edit or "
@@ -271,6 +272,17 @@ def check_prompts(prompt_set: PromptSet, policy, reward=None) -> list[str]:
                                      f"{_short(prompt)} ({_first_line(err)}); edit or remove "
                                      f"that prompt, or use another reward") from None
     return notes
+
+
+def reads_lowercase_only(tokenizer) -> bool:
+    """True when no token of the tokenizer's vocabulary has a capital letter: it cannot read
+    capitals, so prompts are lowercased for it (the tiny models' word-level T5; a real T5 is
+    case-sensitive and gets prompts as written, and CLIP lowercases by itself)."""
+    cached = getattr(tokenizer, "_chunk_grpo_lowercase_only", None)
+    if cached is None:
+        cached = not any(c.isupper() for token in tokenizer.get_vocab() for c in token)
+        tokenizer._chunk_grpo_lowercase_only = cached
+    return cached
 
 
 def _short(prompt: str, limit: int = 60) -> str:

@@ -1,4 +1,5 @@
-"""The string specs of the configuration, parsed without torch: chunk sizes and G2RPO strides.
+"""The string specs of the configuration, parsed without torch: chunk sizes, G2RPO strides and
+LoRA target presets.
 
 `chunk_grpo.config` checks these before any model loads (a command answers a bad flag before it
 imports torch); `chunk_grpo.chunking` and `chunk_grpo.branching` build on the same parsers.
@@ -73,3 +74,42 @@ def parse_granularities(spec: str) -> tuple[int, ...]:
         raise GranularityError(f"granularities must be distinct integers >= 1 such as '1,2', "
                                f"got {spec!r}")
     return values
+
+
+# LoRA target presets, by module name inside FLUX's blocks (diffusers' FluxTransformer2DModel:
+# `transformer_blocks` are the double-stream blocks, `single_transformer_blocks` the single ones).
+_ATTENTION = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0")
+_TEXT_ATTENTION = ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
+_REST_OF_BLOCKS = (
+    "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",  # double: MLPs
+    "norm1.linear", "norm1_context.linear",  # double: the AdaLN modulation linears
+    "proj_mlp", "proj_out", "norm.linear",  # single: MLP in, fused output, AdaLN modulation
+)
+LORA_PRESETS = {
+    "attention": _ATTENTION,  # the image stream's attention (and the single blocks' q, k, v)
+    "attention+text": _ATTENTION + _TEXT_ATTENTION,  # both streams, as Flow-GRPO trains
+    "all": _ATTENTION + _TEXT_ATTENTION + _REST_OF_BLOCKS,  # every linear layer of every block
+}
+
+
+def lora_target_modules(spec: str | list[str] | tuple[str, ...]) -> list[str]:
+    """The module names a LoRA targets: a preset (`LORA_PRESETS`: attention, attention+text,
+    all), given as a name or a one-element list; or a list of module names, kept as given (a
+    name matches every module whose dotted name ends with it, as in PEFT)."""
+    preset = preset_name(spec)
+    if preset is not None:
+        return list(LORA_PRESETS[preset])
+    names = [spec] if isinstance(spec, str) else list(spec)
+    presets = [n for n in names if n in LORA_PRESETS]
+    if presets:
+        raise ValueError(f"lora_targets: the preset {presets[0]!r} cannot be mixed with module "
+                         f"names; give either one preset or a list of module names")
+    if not names:
+        raise ValueError(f"lora_targets is empty; give a preset ({', '.join(LORA_PRESETS)}) or "
+                         "module names like to_q,to_k")
+    return names
+
+
+def preset_name(spec: str | list[str] | tuple[str, ...]) -> str | None:
+    names = [spec] if isinstance(spec, str) else list(spec)
+    return names[0] if len(names) == 1 and names[0] in LORA_PRESETS else None

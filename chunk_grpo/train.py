@@ -19,7 +19,8 @@ the branches at several strides (`chunk_grpo.branching`), step 4 sums the finish
 and step 5 trains that one step.
 The run is built by `chunk_grpo.trainer_setup` and evaluated by `chunk_grpo.trainer_eval`.
 Simplifications: gradients are averaged across ranks by an all-reduce at each boundary (no
-DDP overlap); the hybrid-evaluation base model is a second frozen copy of the base weights.
+DDP overlap). The hybrid-evaluation base comes from the policy's own weights
+(`chunk_grpo.hybrid_base`).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from chunk_grpo.config import (
 from chunk_grpo.metrics import reward_captions, save_image_grid
 from chunk_grpo.policy_update import TrainUnit, UpdateRecord, accumulate_gradients, plan_units
 from chunk_grpo.precision import resolve_mixed_precision
+from chunk_grpo.prompt_cache import setup_text_encoders
 from chunk_grpo.rewards.outputs import RewardError
 from chunk_grpo.rollout import Rollout, sample_rollouts
 from chunk_grpo.run_lock import RunLock
@@ -285,6 +287,10 @@ def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = F
     reward_fn = resolve_reward(cfg, info.device)
     policy = load_checked_policy(cfg, info.device)
     check_prompt_sets(prompt_sets, policy, reward_fn)
+    # text_encoders: cache -> every prompt embedded once (on disk), the encoders freed
+    setup_text_encoders(policy, cfg.text_encoders,
+                        [p for _, s in prompt_sets.items() for p in s.prompts],
+                        cfg.prompt_cache_dir, info, progress=cfg.progress)
     run_dir = Path(run_dir or cfg.output_dir or _default_run_dir())
     lock = RunLock(run_dir)
     if info.is_main:

@@ -78,6 +78,8 @@ def finish_summary(tr: Trainer, iterations: int, minutes: float, model_dir: Path
 
 def export_final(tr: Trainer) -> Path:
     """final_model/: a diffusers directory (EMA weights if enabled, LoRA merged)."""
+    if not tr.policy.has_text_encoders:  # freed after caching: the export needs them
+        tr.policy.reload_text_encoders("cpu")
     if tr.ema is not None:
         tr.ema.swap()
     try:

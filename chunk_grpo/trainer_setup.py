@@ -18,6 +18,7 @@ from chunk_grpo import distributed as D
 from chunk_grpo.chunking import ChunkLayout, parse_chunk_spec
 from chunk_grpo.config import ConfigError, TrainConfig
 from chunk_grpo.dynamics import measure_dynamics, propose_chunks, save_profile
+from chunk_grpo.hybrid_base import hybrid_base
 from chunk_grpo.metrics import MetricsLogger
 from chunk_grpo.models import EMBEDDED_MODEL, FluxPolicy
 from chunk_grpo.models.sampling_defaults import apply_sampling_size
@@ -28,6 +29,7 @@ from chunk_grpo.policy_setup import (
     trainable_state_dict,
 )
 from chunk_grpo.policy_update import LossSettings, optimizer_steps_per_iteration
+from chunk_grpo.prompt_cache import text_encoder_device
 from chunk_grpo.prompts import PromptSet, check_prompts, load_prompt_set
 from chunk_grpo.rewards import build_reward, get_reward
 from chunk_grpo.rewards.mix import RewardMix, as_reward_mix
@@ -35,6 +37,7 @@ from chunk_grpo.rewards.outputs import RewardError
 from chunk_grpo.sampling_options import resolve_cfg_scale
 from chunk_grpo.schedule import dynamic_shift
 from chunk_grpo.scoring import probe_reward
+from chunk_grpo.weights_dtype import load_dtypes, resolve_weights_dtype
 
 
 @dataclass
@@ -66,7 +69,7 @@ class Trainer:
     layout: ChunkLayout
     chunk_weights: torch.Tensor | None
     logger: MetricsLogger
-    base_policy: FluxPolicy | None = None  # frozen base for hybrid evaluation
+    base_policy: object = None  # the base for hybrid evaluation (`chunk_grpo.hybrid_base`)
     fidelity_fn: object = None  # a reward with `details` reported beside the trained one
     base_evals: dict = field(default_factory=dict)  # image count -> the base's EvalResult
     final_evals: dict = field(default_factory=dict)  # "eval"/"eval_hybrid" -> final EvalResult
@@ -148,11 +151,16 @@ def model_path(spec: str) -> str:
 
 def load_policy(cfg: TrainConfig, device: torch.device) -> FluxPolicy:
     """The model as a FluxPolicy, at the configured image size."""
-    policy = FluxPolicy.from_pretrained(model_path(cfg.model.name), device=device)
+    # Frozen parts in weights_dtype, the text encoders where `text_encoders` puts them.
+    dtype, frozen_dtype = load_dtypes(cfg.weights_dtype, device, cfg.lora_rank)
+    policy = FluxPolicy.from_pretrained(
+        model_path(cfg.model.name), device=device, dtype=dtype, frozen_dtype=frozen_dtype,
+        text_encoder_device=text_encoder_device(cfg.text_encoders, device))
     try:
         apply_sampling_size(policy, cfg.height, cfg.width, source=model_path(cfg.model.name),
                             found_file=policy.sampling_file_found,
                             how="height and width (--height H --width W, or in the YAML)")
+        policy.set_guidance(cfg.guidance)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     return policy
@@ -232,9 +240,8 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, info: D.DistInfo, *,
         ema = EMA([(n, p) for n, p in policy.transformer.named_parameters() if p.requires_grad],
                   cfg.ema_decay)
     base = None
-    if cfg.eval_hybrid_steps:
-        base = load_policy(cfg, info.device)
-        base.transformer.requires_grad_(False).eval()
+    if cfg.eval_hybrid_steps:  # the base from the policy's own weights, before any step
+        base = hybrid_base(policy, resolve_weights_dtype(cfg.weights_dtype, info.device))
     # On shapes prompts, the shapes world's checks say whether a learned reward's gain kept
     # prompt fidelity (colour, shape, count, position) or came from reward hacking.
     fidelity = get_reward("shapes") if cfg.eval_prompts.startswith("shapes:") else None

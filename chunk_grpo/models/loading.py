@@ -109,10 +109,13 @@ def _follow_progress_bar_setting() -> None:
 def load_flux_pipeline(
     path_or_id: str | os.PathLike,
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | dict[str, torch.dtype] = torch.float32,
     device: str | torch.device = "cpu",
 ) -> FluxPipeline:
-    """Load a FLUX diffusers pipeline from a local directory or a hub id, and check it."""
+    """Load a FLUX diffusers pipeline from a local directory or a hub id, and check it.
+
+    ``dtype``: one for every component, or per component as diffusers takes it, e.g.
+    ``{"transformer": torch.float32, "default": torch.bfloat16}``."""
     _follow_progress_bar_setting()
     name = os.fspath(path_or_id)
     local = Path(name).expanduser()

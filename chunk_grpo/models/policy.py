@@ -5,6 +5,10 @@ velocity follows the flow-matching convention x_sigma = (1 - sigma) * x0 + sigma
 step is x' = x + (sigma' - sigma) * v -- the same step FluxPipeline's scheduler takes. `velocity`
 is a pure function of its inputs and the transformer's weights: a sample evaluated alone or inside
 a batch gives the same result up to float rounding, which recomputed log-probs rely on.
+
+Memory (`chunk_grpo.weights_dtype`, `chunk_grpo.prompt_cache`): the frozen parts may be loaded in
+bf16 while trained weights stay fp32; the text encoders may sit on the CPU, or be freed once every
+prompt's embeddings are cached on disk (`prompt_cache`), after which prompts are looked up there.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from diffusers import FluxPipeline
 from chunk_grpo.models.latents import image_ids, pack_latents, unpack_latents
 from chunk_grpo.models.loading import load_flux_pipeline
 from chunk_grpo.models.sampling_defaults import CONFIG_NAME, SamplingDefaults
+from chunk_grpo.prompts import reads_lowercase_only
 
 EMBEDDED_MODEL = Path(__file__).resolve().parent.parent / "assets" / "tiny-flux-shapes"
 
@@ -83,10 +88,18 @@ class FluxPolicy:
         self.latent_channels = pipeline.transformer.config.in_channels // 4
         # Only the transformer is trained; the rest stays frozen.
         for module in (pipeline.vae, pipeline.text_encoder, pipeline.text_encoder_2):
-            module.requires_grad_(False)
-            module.eval()
+            if module is not None:
+                module.requires_grad_(False)
+                module.eval()
+        # The tiny models' word-level T5 vocabulary has no capitals: it can only read lowercase
+        # text. A real T5 is case-sensitive and gets the prompt as written.
+        tokenizer_2 = getattr(pipeline, "tokenizer_2", None)
+        self.lowercase_t5 = tokenizer_2 is not None and reads_lowercase_only(tokenizer_2)
         self._negative: PromptEmbeds | None = None
         self.sampling_file_found = False  # from_pretrained: the model had a chunk_grpo.json
+        self.source: str | None = None  # from_pretrained: the path or hub id loaded
+        self.prompt_cache = None  # a chunk_grpo.prompt_cache.PromptCache, once prompts are cached
+        self._freed_encoders: dict[str, type] = {}  # component name -> class, see free_...
 
     @classmethod
     def from_pretrained(
@@ -95,13 +108,43 @@ class FluxPolicy:
         *,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        frozen_dtype: torch.dtype | None = None,
+        text_encoder_device: str | torch.device | None = None,
     ) -> FluxPolicy:
-        pipeline = load_flux_pipeline(path_or_id, dtype=dtype, device=device)
+        """Load a FLUX pipeline as a policy.
+
+        ``dtype``: the transformer's weights (fp32 when they are trained in full; the frozen base
+        under LoRA may be bf16, its adapters are made fp32 by `prepare_transformer`).
+        ``frozen_dtype``: the VAE and text encoders (default ``dtype``). Each part is loaded in
+        its dtype directly, never in fp32 first. ``text_encoder_device``: where the text
+        encoders live (default ``device``; "cpu" keeps them off the GPU, their embeddings are
+        moved to ``device``).
+        """
+        frozen_dtype = frozen_dtype or dtype
+        dtypes = {"transformer": dtype, "default": frozen_dtype}
+        pipeline = load_flux_pipeline(path_or_id, dtype=dtypes, device="cpu")
+        pipeline.transformer.to(device)
+        pipeline.vae.to(device)
+        for encoder in (pipeline.text_encoder, pipeline.text_encoder_2):
+            encoder.to(text_encoder_device or device)
         local = Path(os.fspath(path_or_id)).expanduser()
         defaults = SamplingDefaults.load(local) if local.is_dir() else SamplingDefaults()
         policy = cls(pipeline, defaults)
         policy.sampling_file_found = (local / CONFIG_NAME).is_file()
+        policy.source = str(local) if local.is_dir() else os.fspath(path_or_id)
         return policy
+
+    def set_guidance(self, guidance: float | None) -> None:
+        """The embedded guidance value of a guidance-distilled model (FLUX.1-dev: 3.5 by
+        default); None keeps the model's default. A model without a guidance embedding would
+        silently ignore it, so that is an error."""
+        if guidance is None:
+            return
+        if not self.transformer.config.guidance_embeds:
+            raise ValueError(f"guidance {guidance} is given but the model has no guidance "
+                             f"embedding (it is not guidance-distilled) and would ignore it; "
+                             f"remove guidance, or use cfg_scale for classifier-free guidance")
+        self.guidance_scale = float(guidance)
 
     @property
     def transformer(self) -> torch.nn.Module:
@@ -117,7 +160,39 @@ class FluxPolicy:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.transformer.dtype
+        """The transformer's compute dtype: that of its frozen weights (the base under LoRA,
+        whose fp32 adapters cast their own input), else of its trained weights."""
+        return compute_dtype(self.transformer)
+
+    @property
+    def has_text_encoders(self) -> bool:
+        """False once `free_text_encoders` deleted them (prompts come from the cache)."""
+        return self.pipeline.text_encoder is not None and self.pipeline.text_encoder_2 is not None
+
+    def free_text_encoders(self) -> None:
+        """Delete the text encoders from the pipeline (their memory is released); prompts are
+        then looked up in ``prompt_cache``. `reload_text_encoders` brings them back."""
+        for name in ("text_encoder", "text_encoder_2"):
+            module = getattr(self.pipeline, name)
+            if module is not None:
+                self._freed_encoders[name] = type(module)
+                setattr(self.pipeline, name, None)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def reload_text_encoders(self, device: str | torch.device = "cpu") -> None:
+        """Load freed text encoders again from the model they came from (e.g. to export the
+        pipeline), on ``device`` in the VAE's (the frozen parts') dtype."""
+        for name, encoder_class in list(self._freed_encoders.items()):
+            if self.source is None:
+                raise ValueError("the text encoders were freed and the policy does not know "
+                                 "its model path; load it with FluxPolicy.from_pretrained")
+            module = encoder_class.from_pretrained(self.source, subfolder=name,
+                                                   dtype=self.vae.dtype)
+            module.requires_grad_(False).eval().to(device)
+            # register_modules, not setattr: it also restores the model_index entry for saving.
+            self.pipeline.register_modules(**{name: module})
+            del self._freed_encoders[name]
 
     def latent_grid(self, height: int | None = None, width: int | None = None) -> tuple[int, int]:
         """Token grid (rows, columns) for an image size; FLUX packs 2x2 latent patches."""
@@ -131,17 +206,33 @@ class FluxPolicy:
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
-        """Encode prompts once (lowercased: the tiny model's tokenizers know lowercase words)."""
+        """Encode prompts once, on the transformer's device and in its dtype: by the text
+        encoders, or from ``prompt_cache`` when they were freed (an uncached prompt is then an
+        error naming it)."""
         if isinstance(prompts, str) or not prompts:
             raise ValueError("prompts must be a non-empty list of strings")
-        lowered = [p.lower() for p in prompts]
+        if self.has_text_encoders:
+            raw = self.encode_with_text_encoders(prompts)
+        elif self.prompt_cache is not None:
+            raw = self.prompt_cache.load(prompts)
+        else:
+            raise ValueError("the text encoders were freed and there is no prompt cache; "
+                             "call reload_text_encoders() or set a prompt_cache")
+        return raw.to(device=self.device, dtype=self.dtype)
+
+    @torch.no_grad()
+    def encode_with_text_encoders(self, prompts: list[str]) -> PromptEmbeds:
+        """The text encoders' output for ``prompts``, on their device and in their dtype (what
+        the prompt cache stores). CLIP's tokenizer lowercases by itself; T5 gets the prompt as
+        written unless its vocabulary is lowercase only (the tiny models)."""
+        t5_prompts = [p.lower() for p in prompts] if self.lowercase_t5 else list(prompts)
         embeds, pooled, text_ids = self.pipeline.encode_prompt(
-            prompt=lowered,
-            prompt_2=lowered,
-            device=self.device,
+            prompt=list(prompts),
+            prompt_2=t5_prompts,
+            device=self.pipeline.text_encoder_2.device,
             max_sequence_length=self.max_sequence_length,
         )
-        return PromptEmbeds(embeds.to(self.dtype), pooled.to(self.dtype), text_ids.to(self.dtype))
+        return PromptEmbeds(embeds, pooled, text_ids)
 
     def negative_embeds(self, batch: int) -> PromptEmbeds:
         """The unconditional prompt (the caption-dropout target) repeated `batch` times."""
@@ -162,7 +253,8 @@ class FluxPolicy:
         gh, gw = self.latent_grid(height, width)
         shape = (batch, self.latent_channels, gh * 2, gw * 2)
         gen_device = generator.device if generator is not None else self.device
-        noise = torch.randn(shape, generator=generator, device=gen_device, dtype=self.dtype)
+        # fp32 whatever the weights: the sampler's state stays fp32 (the transformer casts).
+        noise = torch.randn(shape, generator=generator, device=gen_device, dtype=torch.float32)
         return pack_latents(noise.to(self.device))
 
     def _grid_for(self, n_tokens: int, height: int | None, width: int | None) -> tuple[int, int]:
@@ -192,11 +284,14 @@ class FluxPolicy:
         negative: PromptEmbeds | None = None,
         height: int | None = None,
         width: int | None = None,
+        transformer: torch.nn.Module | None = None,
     ) -> torch.Tensor:
         """Flow velocity v [B, N, C] at noise level sigma [B] (1 = pure noise, 0 = clean).
 
         cfg_scale > 1 applies true classifier-free guidance against `negative` (default: the
         model's unconditional prompt): v = v_neg + cfg_scale * (v_cond - v_neg).
+        ``transformer``: another transformer of the same model to evaluate (e.g. a frozen base
+        copy, `chunk_grpo.hybrid_base`); default this policy's.
         """
         if latents.ndim != 3:
             raise ValueError(f"latents must be packed [B, N, C], got shape {tuple(latents.shape)}")
@@ -209,33 +304,36 @@ class FluxPolicy:
             raise ValueError(
                 f"sigma must be a scalar or have shape [{b}], got {tuple(sigma.shape)}"
             )
-        ids = image_ids(self._grid_for(n, height, width), device=latents.device, dtype=self.dtype)
-        x = latents.to(self.dtype)
+        transformer = self.transformer if transformer is None else transformer
+        dtype = compute_dtype(transformer)
+        ids = image_ids(self._grid_for(n, height, width), device=latents.device, dtype=dtype)
+        x = latents.to(dtype)
         if cfg_scale != 1.0:
             negative = negative if negative is not None else self.negative_embeds(b)
             if len(negative) != b:
                 raise ValueError(f"negative has {len(negative)} prompts for {b} latents")
             both = PromptEmbeds.cat([embeds, negative])
-            out = self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]), both, ids)
+            out = self._forward(transformer, torch.cat([x, x]), torch.cat([sigma, sigma]), both,
+                                ids)
             v_cond, v_neg = out[:b], out[b:]
             v = v_neg + cfg_scale * (v_cond - v_neg)
         else:
-            v = self._forward(x, sigma, embeds, ids)
+            v = self._forward(transformer, x, sigma, embeds, ids)
         return v.to(latents.dtype)
 
-    def _forward(self, x, sigma, embeds: PromptEmbeds, ids) -> torch.Tensor:
-        transformer = self.transformer
+    def _forward(self, transformer, x, sigma, embeds: PromptEmbeds, ids) -> torch.Tensor:
+        dtype = x.dtype
         guidance = None
         if transformer.config.guidance_embeds:
             guidance = torch.full_like(sigma, self.guidance_scale)
         return transformer(
             hidden_states=x,
             # FLUX's transformer multiplies the timestep by 1000 itself: pass sigma in [0, 1].
-            timestep=sigma.to(self.dtype),
+            timestep=sigma.to(dtype),
             guidance=guidance,
-            pooled_projections=embeds.pooled.to(self.dtype),
-            encoder_hidden_states=embeds.prompt_embeds.to(self.dtype),
-            txt_ids=embeds.text_ids.to(self.dtype),
+            pooled_projections=embeds.pooled.to(dtype),
+            encoder_hidden_states=embeds.prompt_embeds.to(dtype),
+            txt_ids=embeds.text_ids.to(dtype),
             img_ids=ids,
             return_dict=False,
         )[0]
@@ -264,3 +362,14 @@ class FluxPolicy:
         dist = self.vae.encode(images.to(self.vae.dtype) * 2 - 1).latent_dist
         z = dist.mode() if generator is None else dist.sample(generator)
         return pack_latents((z - config.shift_factor) * config.scaling_factor).to(self.dtype)
+
+
+def compute_dtype(transformer: torch.nn.Module) -> torch.dtype:
+    """The dtype a transformer computes in: that of its first frozen parameter (the base
+    weights under LoRA), or of its first parameter when all are trained."""
+    first = None
+    for param in transformer.parameters():
+        if not param.requires_grad:
+            return param.dtype
+        first = first or param.dtype
+    return first or torch.float32
