@@ -337,7 +337,9 @@ def coerce(key: str, value: Any) -> Any:
     if key not in _FIELDS:
         raise _unknown_key(key, "the configuration")
     typ, nullable = _base_type(_HINTS[key])
-    if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
+    # "none" is a value of some string fields (parallelism: none), not null for them.
+    null_words = ("null",) if typ is str else ("null", "none")
+    if value is None or (isinstance(value, str) and value.lower() in null_words):
         if nullable:
             return None
         raise ConfigError(f"{key} cannot be null")

@@ -314,13 +314,14 @@ def build_plan(s: PlanSettings, gpu_bytes: float) -> Plan:
         else sizes.transformer
     wbytes, cbytes = _DTYPE_BYTES[s.weights_dtype], _DTYPE_BYTES[s.compute_dtype]
     offload = fsdp and s.cpu_offload
-    home = "CPU" if offload else "GPU"
+    device = "GPU" if cuda else "CPU"
+    home = "CPU" if offload else device
     split = f"/{shard} (FSDP shard)" if fsdp else "full copy"
     rows: list[PlanRow] = []
 
     def add(part: str, nbytes: float, note: str = "", phase: str = "static",
-            where: str = "GPU") -> None:
-        if where == "CPU":
+            where: str = device) -> None:
+        if where != device:  # offloaded from the GPU to the host
             note = f"{nbytes / GB:.1f} GB on the CPU per rank; {note}".rstrip("; ")
             nbytes = 0.0
         rows.append(PlanRow(part, nbytes, where, note, phase))
@@ -337,7 +338,7 @@ def build_plan(s: PlanSettings, gpu_bytes: float) -> Plan:
     frozen = sizes.transformer if lora else 0
     add(f"frozen weights ({s.weights_dtype})", wbytes * frozen / shard,
         "the base under LoRA" if lora else "none: every weight is trained",
-        where=home if frozen else "GPU")
+        where=home if frozen else device)
     if not s.hybrid_base:
         add("hybrid-evaluation base", 0, "eval_hybrid_steps: 0")
     elif lora:
@@ -351,7 +352,7 @@ def build_plan(s: PlanSettings, gpu_bytes: float) -> Plan:
         add("text encoders", 0, "text_encoders: cache (embeddings on disk, encoders freed)")
     else:
         add("text encoders", text_bytes, text_note,
-            where="CPU" if s.text_encoders == "cpu" else "GPU")
+            where="CPU" if s.text_encoders == "cpu" else device)
     add(f"VAE ({s.weights_dtype})", wbytes * sizes.vae, f"{sizes.vae / 1e6:.1f}M params")
     add_reward(add, s, cuda)
     add("CUDA context, workspaces, allocator slack", CUDA_CONTEXT_BYTES if cuda else 0,

@@ -267,7 +267,8 @@ def estimate_flux_call(config: dict, shape: CallShape, *, train: bool,
                        gradient_checkpointing: bool = False, adapters: Adapters = Adapters(),
                        precision: CallPrecision = CallPrecision()) -> CallMemory:
     """The call's memory for the full depth of ``config``, from FakeTensor runs of 1 and 2
-    double-stream and single-stream blocks, extrapolated linearly in the block counts."""
+    double-stream and single-stream blocks, extrapolated linearly in the block counts. A no-grad
+    call keeps nothing from one block to the next, so its peak is that of 1 block of each kind."""
     doubles, singles = config["num_layers"], config["num_single_layers"]
     options = dict(train=train, gradient_checkpointing=gradient_checkpointing,
                    adapters=adapters, precision=precision)
@@ -278,6 +279,8 @@ def estimate_flux_call(config: dict, shape: CallShape, *, train: bool,
 
     base_d, base_s = min(doubles, 1), min(singles, 1)
     base = depth(base_d, base_s)
+    if not train:  # nothing is kept between blocks without grad: one block of each kind tells
+        return base
     total = base
     if doubles > 1:
         total = total + (depth(2, base_s) - base) * (doubles - 1)
@@ -290,7 +293,8 @@ def estimate_vae_decode(config: dict, batch: int, height: int, width: int,
                         dtype: torch.dtype) -> CallMemory:
     """Peak of a no-grad VAE decode of ``batch`` latents to ``height`` x ``width`` images."""
     factor = 2 ** (len(config["block_out_channels"]) - 1)
-    vae = build_vae(config, device="meta").to(dtype).eval().requires_grad_(False)
+    vae = build_vae(config, device="meta").eval().requires_grad_(False)
+    _cast_parameters(vae, dtype)
     with FakeTensorMode():
         materialize_fake(vae)
         latents = torch.randn(batch, config["latent_channels"], height // factor,
