@@ -399,7 +399,9 @@ def coerce(path: str, value: Any, name: str | None = None) -> Any:
     ConfigError naming it ``name`` (default: the path)."""
     name = name or path
     typ, nullable = _base_type(_HINTS[path])
-    if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
+    # "none" is a value of some string fields (parallel.mode: none), not null for them.
+    null_words = ("null",) if typ is str else ("null", "none")
+    if value is None or (isinstance(value, str) and value.lower() in null_words):
         if nullable:
             return None
         raise ConfigError(f"{name} cannot be null")

@@ -1,0 +1,234 @@
+"""The memory plan (`python -m chunk_grpo.plan`): meta-device parameter counts against real tiny
+models, FakeTensor activation bytes against a real CPU call measured with the same probes, the
+arithmetic of sharding and LoRA, the FLUX preset fitting 8 x 80 GB, the one-line error with its
+levers, and the command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig
+
+from chunk_grpo.config import build_config
+from chunk_grpo.memory_plan import (
+    GB,
+    PlanDoesNotFit,
+    build_plan,
+    check_plan,
+    plan_for_config,
+    settings_from_config,
+)
+from chunk_grpo.plan import main as plan_main
+from chunk_grpo.plan_activations import (
+    Adapters,
+    CallPrecision,
+    CallShape,
+    estimate_flux_call,
+    measure_flux_call,
+    prepare_for_measurement,
+)
+from chunk_grpo.plan_models import (
+    build_clip_text,
+    build_t5_encoder,
+    build_transformer,
+    build_vae,
+    count_parameters,
+    lora_parameter_count,
+    resolve_model_configs,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+PRESET = REPO / "configs" / "flux_dev_hpsv3.yaml"
+ATTENTION = ("to_q", "to_k", "to_v", "to_out.0")
+# A FLUX-shaped transformer small enough to run for real on the CPU in well under a second.
+TINY_FLUX = dict(num_layers=2, num_single_layers=3, num_attention_heads=2, attention_head_dim=16,
+                 axes_dims_rope=(4, 6, 6), in_channels=64, joint_attention_dim=32,
+                 pooled_projection_dim=16, guidance_embeds=True)
+SHAPE = CallShape(rows=3, image_tokens=64, text_tokens=16)
+
+
+def _row(plan, part_start: str):
+    return next(r for r in plan.rows if r.part.startswith(part_start))
+
+
+def _embedded_cfg(**overrides):
+    return build_config(None, dict(device="cuda", **overrides))
+
+
+# ----------------------------------------------------------------------------- sizes on meta
+
+def test_meta_builds_count_the_parameters_of_real_models():
+    configs = resolve_model_configs("embedded")  # the shipped tiny FLUX's own config.json files
+    for build, config in ((build_transformer, configs.transformer), (build_vae, configs.vae)):
+        meta = build(config)
+        assert all(p.is_meta for p in meta.parameters())
+        assert count_parameters(meta) == count_parameters(build(config, device="cpu"))
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    assert count_parameters(build_clip_text(configs.text_encoder)) == count_parameters(
+        CLIPTextModel(CLIPTextConfig(**configs.text_encoder)))
+    assert count_parameters(build_t5_encoder(configs.text_encoder_2)) == count_parameters(
+        T5EncoderModel(T5Config(**configs.text_encoder_2)))
+
+
+def test_flux_dev_configs_give_the_published_sizes():
+    configs = resolve_model_configs("black-forest-labs/FLUX.1-dev")
+    assert count_parameters(build_transformer(configs.transformer)) == 11_901_408_320  # "12B"
+    assert count_parameters(build_t5_encoder(configs.text_encoder_2)) == 4_762_310_656
+
+
+def test_lora_count_equals_peft_on_a_real_model():
+    real = build_transformer(TINY_FLUX, device="cpu").requires_grad_(False)
+    real.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=list(ATTENTION)))
+    added = sum(p.numel() for p in real.parameters() if p.requires_grad)
+    assert lora_parameter_count(build_transformer(TINY_FLUX), 4, list(ATTENTION)) == added
+    with pytest.raises(ValueError, match="match no Linear layer"):
+        lora_parameter_count(build_transformer(TINY_FLUX), 4, ["no_such_module"])
+
+
+# ----------------------------------------------------------------------------- activations
+
+@pytest.mark.parametrize("train,checkpointing,adapters,precision", [
+    (True, False, Adapters(), CallPrecision()),
+    (True, True, Adapters(4, ATTENTION),
+     CallPrecision(torch.float32, torch.bfloat16, torch.bfloat16)),
+    (False, False, Adapters(), CallPrecision(torch.float32, torch.float32, torch.bfloat16)),
+])
+def test_fake_tensor_estimate_equals_a_real_cpu_call(train, checkpointing, adapters, precision):
+    """Tolerance: none. The FakeTensor runs of 1-2 blocks, extrapolated to 2 double + 3 single
+    blocks, give the real call's bytes exactly (saved for backward, forward and backward peaks),
+    because both run the same aten ops with the same shapes and dtypes."""
+    torch.manual_seed(0)
+    real = prepare_for_measurement(build_transformer(TINY_FLUX, device="cpu"), train=train,
+                                   gradient_checkpointing=checkpointing, adapters=adapters,
+                                   precision=precision)
+    measured = measure_flux_call(real, SHAPE, train=train, autocast=precision.autocast)
+    estimated = estimate_flux_call(TINY_FLUX, SHAPE, train=train,
+                                   gradient_checkpointing=checkpointing, adapters=adapters,
+                                   precision=precision)
+    assert measured.forward_peak > 0 and (measured.saved > 0) == train
+    assert (estimated.saved, estimated.forward_peak, estimated.backward_peak) == \
+        (measured.saved, measured.forward_peak, measured.backward_peak)
+
+
+def test_checkpointing_saves_less_and_the_saved_bytes_scale_with_rows():
+    one_each = dict(TINY_FLUX, num_layers=1, num_single_layers=1)  # one FakeTensor run each
+    plain = estimate_flux_call(one_each, SHAPE, train=True)
+    checkpointed = estimate_flux_call(one_each, SHAPE, train=True, gradient_checkpointing=True)
+    assert checkpointed.saved < plain.saved / 3 and checkpointed.peak < plain.peak
+    double = estimate_flux_call(one_each, CallShape(6, 64, 16), train=True)
+    assert double.saved == pytest.approx(2 * plain.saved, rel=0.02)
+
+
+# ----------------------------------------------------------------------------- arithmetic
+
+def test_fsdp_divides_weights_gradients_and_optimizer_by_the_world_size():
+    cfg = _embedded_cfg(parallelism="fsdp", lora_rank=0)
+    one, eight = (plan_for_config(cfg, n, 80 * GB) for n in (1, 8))
+    for part in ("trainable weights", "optimizer state", "gradients", "hybrid-evaluation base"):
+        assert _row(eight, part).gpu_bytes == pytest.approx(_row(one, part).gpu_bytes / 8)
+        assert _row(one, part).gpu_bytes > 0
+    assert _row(eight, "VAE").gpu_bytes == _row(one, "VAE").gpu_bytes  # not sharded
+    ddp = plan_for_config(_embedded_cfg(parallelism="ddp", lora_rank=0), 8, 80 * GB)
+    assert _row(ddp, "trainable weights").gpu_bytes == _row(one, "trainable weights").gpu_bytes
+    assert _row(ddp, "DDP gradient buckets").gpu_bytes == _row(ddp, "gradients").gpu_bytes
+
+
+def test_lora_trains_adapters_over_a_frozen_base_and_needs_no_base_copy():
+    full = plan_for_config(_embedded_cfg(lora_rank=0, weights_dtype="bf16"), 1, 80 * GB)
+    lora = plan_for_config(_embedded_cfg(lora_rank=8, weights_dtype="bf16"), 1, 80 * GB)
+    params = count_parameters(build_transformer(resolve_model_configs("embedded").transformer))
+    adapters = lora_parameter_count(build_transformer(
+        resolve_model_configs("embedded").transformer), 8, list(ATTENTION))
+    assert _row(full, "trainable weights").gpu_bytes == 4 * params
+    assert _row(full, "optimizer state").gpu_bytes == 8 * params
+    assert _row(full, "frozen weights").gpu_bytes == 0
+    assert _row(full, "hybrid-evaluation base").gpu_bytes == 2 * params  # one bf16 copy
+    assert _row(lora, "trainable weights").gpu_bytes == 4 * adapters
+    assert _row(lora, "frozen weights").gpu_bytes == 2 * params
+    assert _row(lora, "hybrid-evaluation base").gpu_bytes == 0
+    eight_bit = plan_for_config(_embedded_cfg(lora_rank=0, optimizer="adamw8bit"), 1, 80 * GB)
+    assert _row(eight_bit, "optimizer state").gpu_bytes == pytest.approx(2.03125 * params)
+
+
+def test_text_encoder_placement_and_cpu_offload():
+    keep = plan_for_config(_embedded_cfg(text_encoders="keep"), 1, 80 * GB)
+    assert _row(keep, "text encoders").gpu_bytes > 0
+    for mode in ("cache", "cpu"):
+        plan = plan_for_config(_embedded_cfg(text_encoders=mode), 1, 80 * GB)
+        assert _row(plan, "text encoders").gpu_bytes == 0
+    offload = plan_for_config(_embedded_cfg(parallelism="fsdp", cpu_offload=True, lora_rank=0),
+                              2, 80 * GB)
+    for part in ("trainable weights", "optimizer state", "gradients"):
+        assert _row(offload, part).gpu_bytes == 0 and _row(offload, part).where == "CPU"
+
+
+@pytest.mark.slow
+def test_flux_preset_fits_eight_80gb_gpus(capsys):
+    plan = plan_main(["--config", str(PRESET), "--gpus", "8", "--gpu-memory", "80"])
+    out = capsys.readouterr().out
+    assert plan.fits and "fits: peak" in out and "does not fit" not in out
+    assert plan.settings.parallelism == "fsdp" and plan.settings.lora_rank == 0
+    assert 40 * GB < plan.peak_bytes < 80 * GB
+    assert _row(plan, "trainable weights").gpu_bytes == pytest.approx(4 * 11_901_408_320 / 8)
+
+
+def test_a_config_that_cannot_fit_names_the_levers_by_effect():
+    cfg = _embedded_cfg(lora_rank=0, micro_batch_size=8)
+    with pytest.raises(PlanDoesNotFit) as err:
+        check_plan(cfg, 2, 0.01 * GB)
+    message = str(err.value)
+    assert "\n" not in message and "exceeds the 0.0 GB budget" in message
+    for lever in ("parallelism: fsdp", "optimizer: adamw8bit", "gradient_checkpointing: true",
+                  "micro_batch_size: 4", "text_encoders: cache", "lora_rank: 64"):
+        assert lever in message
+    savings = [float(part.split("(-")[1].split(" GB")[0])
+               for part in message.split("levers by effect: ")[1].split("), ")]
+    assert savings == sorted(savings, reverse=True)
+    fits = check_plan(cfg, 2, 80 * GB)
+    assert fits.fits and fits.margin_bytes > 0
+
+
+def test_settings_resolve_dtypes_per_device():
+    cuda = settings_from_config(_embedded_cfg(), 1)
+    assert (cuda.compute_dtype, cuda.weights_dtype) == ("bf16", "bf16")
+    cpu = settings_from_config(build_config(None, dict(device="cpu", mixed_precision="no")), 1)
+    assert (cpu.compute_dtype, cpu.weights_dtype) == ("fp32", "fp32")
+    plan = build_plan(cuda, 80 * GB)
+    assert _row(plan, "CUDA context").gpu_bytes == 3 * GB
+
+
+# ----------------------------------------------------------------------------- command line
+
+def test_cli_writes_json_and_exits_1_when_it_does_not_fit(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    plan_main(["--gpus", "1", "--gpu-memory", "80", "--device", "cuda", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert data["fits"] and data["peak_bytes"] == pytest.approx(
+        data["static_bytes"] + max(data["train_bytes"], data["rollout_bytes"]))
+    with pytest.raises(SystemExit) as stop:
+        plan_main(["--gpu-memory", "0.5", "--device", "cuda"])
+    assert stop.value.code == 1
+    assert "does not fit" in capsys.readouterr().out
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "chunk_grpo.plan", *args], capture_output=True,
+                          text=True, env=env, timeout=120)
+
+
+def test_cli_help_and_bad_flags_answer_in_one_line():
+    help_text = _run("--help")
+    assert help_text.returncode == 0 and "--gpu-memory" in help_text.stdout
+    for args, expected in ((("--gpus", "0"), "must be >= 1"),
+                           (("--lora-rnak", "4"), "did you mean 'lora_rank'")):
+        result = _run(*args)
+        assert result.returncode == 2, result.stderr
+        assert expected in result.stderr and len(result.stderr.strip().splitlines()) == 1
