@@ -181,11 +181,12 @@ def _resolved_size(cfg: TrainConfig) -> tuple[int, int, int]:
     from chunk_grpo.cli_args import EMBEDDED_MODEL_DIR
     from chunk_grpo.models.sampling_defaults import CONFIG_NAME, SamplingDefaults
 
-    local = Path(str(EMBEDDED_MODEL_DIR) if cfg.model.name == "embedded" else cfg.model.name).expanduser()
+    name = cfg.model.name
+    local = Path(str(EMBEDDED_MODEL_DIR) if name == "embedded" else name).expanduser()
     found = local.is_dir() and (local / CONFIG_NAME).is_file()
     defaults = SamplingDefaults.load(local) if found else SamplingDefaults()
     if (cfg.height is None or cfg.width is None) and not found:
-        raise ConfigError(f"model {cfg.model.name} has no {CONFIG_NAME}, so the plan needs the image "
+        raise ConfigError(f"model {name} has no {CONFIG_NAME}, so the plan needs the image "
                           f"size: set height and width (e.g. --height 720 --width 720)")
     return (cfg.height or defaults.height, cfg.width or defaults.width,
             defaults.max_sequence_length)
@@ -223,7 +224,8 @@ def settings_from_config(cfg: TrainConfig, world_size: int, device: str | None =
         "bf16" if device == "cuda" else "fp32")
     height, width, text_tokens = _resolved_size(cfg)
     return PlanSettings(
-        model=cfg.model.name, reward=cfg.reward.name, height=height, width=width, text_tokens=text_tokens,
+        model=cfg.model.name, reward=cfg.reward.name, height=height, width=width,
+        text_tokens=text_tokens,
         device=device, world_size=world_size, parallelism=cfg.parallelism,
         cpu_offload=cfg.cpu_offload, lora_rank=cfg.lora_rank,
         lora_targets=tuple(cfg.lora_targets), optimizer=cfg.optimizer, compute_dtype=compute,

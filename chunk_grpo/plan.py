@@ -15,8 +15,9 @@ import json
 import sys
 from pathlib import Path
 
+from chunk_grpo.cli import run_cli
 from chunk_grpo.cli_args import plan_parser
-from chunk_grpo.config import ConfigError, build_config, parse_args, run_cli
+from chunk_grpo.config import ConfigError, build_config, parse_args
 from chunk_grpo.memory_plan import GB, Plan, format_plan, levers_by_effect, plan_for_config
 
 
