@@ -86,6 +86,9 @@ class FluxPolicy:
             module.requires_grad_(False)
             module.eval()
         self._negative: PromptEmbeds | None = None
+        # The module velocity calls: the transformer, or its DDP wrapper (set after
+        # parallelize_transformer). Attributes (config, dtype, adapters) are read on `transformer`.
+        self.forward_module: torch.nn.Module | None = None
         self.sampling_file_found = False  # from_pretrained: the model had a chunk_grpo.json
 
     @classmethod
@@ -224,11 +227,11 @@ class FluxPolicy:
         return v.to(latents.dtype)
 
     def _forward(self, x, sigma, embeds: PromptEmbeds, ids) -> torch.Tensor:
-        transformer = self.transformer
         guidance = None
-        if transformer.config.guidance_embeds:
+        if self.transformer.config.guidance_embeds:
             guidance = torch.full_like(sigma, self.guidance_scale)
-        return transformer(
+        call = self.forward_module if self.forward_module is not None else self.transformer
+        return call(
             hidden_states=x,
             # FLUX's transformer multiplies the timestep by 1000 itself: pass sigma in [0, 1].
             timestep=sigma.to(self.dtype),
