@@ -23,13 +23,17 @@ from parallel_utils import (
 )
 from spawn_ranks import run_ranks
 
+from chunk_grpo.models.policy import FluxPolicy
+from chunk_grpo.models.tiny import TEST_DEFAULTS, TEST_SIZES, build_tiny_flux_pipeline
 from chunk_grpo.parallelize import (
     ParallelismError,
     any_rank,
     clip_grad_norm,
     parallelize_transformer,
     trainable_parameters,
+    unwrapped,
 )
+from chunk_grpo.policy_setup import prepare_transformer
 
 
 def reference_run(lora: bool) -> tuple[dict, list[float]]:
@@ -45,7 +49,10 @@ def parallel_scenarios(rank: int, world: int, tmp, _unused=None) -> dict:
     for mode in ("fsdp", "ddp"):
         for lora in (True, False):
             model = build_transformer(lora)
-            call = parallelize_transformer(model, mode=mode, device="cpu", param_dtype=None)
+            # FSDP with per-block activation checkpointing: the recomputation must not change
+            # the numbers either.
+            call = parallelize_transformer(model, mode=mode, device="cpu", param_dtype=None,
+                                           activation_checkpointing=mode == "fsdp")
             norms = train(call, trainable_parameters(call), rank, world)
             results[(mode, lora)] = (full_trainable_state(call), norms)
     # bf16 compute with fp32 master weights and fp32 reduction: it runs and the weights move.
@@ -65,7 +72,58 @@ def parallel_scenarios(rank: int, world: int, tmp, _unused=None) -> dict:
     loss.backward()
     results["flux_dev"] = dict(loss=float(loss.detach()), norm=clip_grad_norm(params, 1e9),
                                grads=sum(p.grad is not None for p in params), params=len(params))
+    for mode in ("ddp", "fsdp"):
+        results[("policy", mode)] = policy_gradients(mode, rank, world)
     return results
+
+
+def policy_gradients(mode: str, rank: int, world: int) -> dict[str, torch.Tensor]:
+    """FluxPolicy set up as the trainer does (prepare_transformer: LoRA), parallelized, calling
+    through `forward_module`: the synced gradient of this rank's rows of a 4-row batch."""
+    policy = tiny_policy()
+    model = policy.transformer
+    call = parallelize_transformer(model, mode=mode, device="cpu", param_dtype=None)
+    if call is not model:
+        policy.forward_module = call  # DDP: calls go through the wrapper
+    rows = slice(rank * 4 // world, (rank + 1) * 4 // world)
+    policy_loss(policy, rows).backward()
+    with torch.no_grad():  # the KL reference path: the base model through the same module
+        model.disable_adapters()
+        policy_loss(policy, rows)
+        model.enable_adapters()
+    return full_gradients(call)
+
+
+def tiny_policy() -> FluxPolicy:
+    torch.manual_seed(0)
+    pipeline = build_tiny_flux_pipeline(["red", "cat"], **TEST_SIZES)
+    policy = FluxPolicy(pipeline, TEST_DEFAULTS)
+    prepare_transformer(policy.transformer, lora_rank=4, lora_alpha=None,
+                        lora_targets=["to_q", "to_k", "to_v", "to_out.0"],
+                        gradient_checkpointing=False, attention_backend="native")
+    with torch.no_grad():  # non-zero B: every adapter weight gets a gradient
+        for name, p in policy.transformer.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    return policy
+
+
+def policy_loss(policy: FluxPolicy, rows: slice) -> torch.Tensor:
+    g = torch.Generator().manual_seed(5)
+    x = policy.initial_noise(4, generator=g)
+    sigma = torch.tensor([0.9, 0.7, 0.5, 0.3])
+    embeds = policy.encode_prompts(["red cat", "cat", "red", "cat red"])
+    v = policy.velocity(x[rows], sigma[rows], embeds.index(list(range(4))[rows]))
+    return v.pow(2).mean() * (rows.stop - rows.start) / 4  # the mean over all 4 rows, summed
+
+
+def full_gradients(model) -> dict[str, torch.Tensor]:
+    grads = {}
+    for name, p in unwrapped(model).named_parameters():
+        if p.grad is not None:
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            grads[name] = g.detach().clone()
+    return grads
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +172,22 @@ def test_flux_dev_structure_runs_forward_backward_sharded(two_ranks):
         assert torch.isfinite(torch.tensor([run["loss"], run["norm"]])).all()
     assert runs[0]["norm"] == runs[1]["norm"]  # global: the same number on both ranks
     assert runs[0]["loss"] != runs[1]["loss"]  # each rank had its own rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_policy_velocity_through_the_parallel_module(two_ranks, mode):
+    """Each rank's gradient, after the (averaged) sync, equals one process's gradient of the
+    mean over all 4 rows, divided by the world size (DDP and FSDP average over ranks)."""
+    policy = tiny_policy()
+    policy_loss(policy, slice(0, 4)).backward()
+    expected = full_gradients(policy.transformer)
+    assert expected and all("lora_" in name for name in expected)
+    for results in two_ranks:
+        grads = results[("policy", mode)]
+        assert grads.keys() == expected.keys()
+        for name, value in expected.items():
+            torch.testing.assert_close(grads[name] * 2, value, atol=1e-7, rtol=1e-5)
 
 
 def test_none_refuses_several_ranks_and_offload_needs_fsdp(monkeypatch):
