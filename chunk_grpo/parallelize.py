@@ -175,3 +175,11 @@ def any_rank(flag: bool, device: torch.device | str = "cpu") -> bool:
     value = torch.tensor([1.0 if flag else 0.0], device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return bool(value.item() > 0)
+
+
+def all_finite(tensors: list[torch.Tensor], device: torch.device | str = "cpu") -> bool:
+    """Whether every tensor (e.g. the trained weights before a checkpoint) is finite on every
+    rank; each rank checks only its own shards."""
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    bad = any(not bool(torch.isfinite(t.detach()).all()) for t in local if t.numel())
+    return not any_rank(bad, device)

@@ -151,6 +151,26 @@ def save_sharded_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Modu
     return final
 
 
+def resolve_sharded_checkpoint(path: str | Path) -> Path:
+    """The checkpoint directory ``path`` names: itself, or a run directory's newest intact
+    checkpoint (skipped damaged ones are reported by rank 0)."""
+    path = Path(path)
+    if not (path / MANIFEST).is_file() and (path / "checkpoints").is_dir():
+        quiet = None if _rank() == 0 else (lambda line: None)
+        path = find_resumable(path, report=quiet)
+    if not (path / SHARDS).is_dir():
+        raise CheckpointError(f"{path} is not a sharded checkpoint (no {SHARDS}/); give a run "
+                              "directory or a step-XXXXXXXX directory written by a ddp/fsdp run")
+    return path
+
+
+def read_trainer_state(path: str | Path) -> dict:
+    """trainer.pt of a sharded checkpoint (or a run's newest), without loading the shards: what
+    the run needs before it builds its model (e.g. the saved world size for resume_batch_plan)."""
+    path = resolve_sharded_checkpoint(path)
+    return torch.load(path / TRAINER, map_location="cpu", weights_only=False)
+
+
 def load_sharded_checkpoint(path: str | Path, model: torch.nn.Module,
                             optimizer: torch.optim.Optimizer, *, extra: dict | None = None,
                             restore_rng: bool = False) -> dict:
@@ -158,13 +178,7 @@ def load_sharded_checkpoint(path: str | Path, model: torch.nn.Module,
     ``optimizer`` and the ``extra`` tensors in place, at any world size; every rank calls this.
     Returns trainer.pt's state (with the saved ``world_size``). The files are checked against
     the manifest's sha256 first (each rank hashes a share)."""
-    path = Path(path)
-    if not (path / MANIFEST).is_file():
-        quiet = None if _rank() == 0 else (lambda line: None)
-        path = find_resumable(path, report=quiet) if (path / "checkpoints").is_dir() else path
-    if not (path / SHARDS).is_dir():
-        raise CheckpointError(f"{path} is not a sharded checkpoint (no {SHARDS}/); give a run "
-                              "directory or a step-XXXXXXXX directory written by a ddp/fsdp run")
+    path = resolve_sharded_checkpoint(path)
     expected = json.loads((path / MANIFEST).read_text())["files"]
     found = _file_hashes(path)
     found.pop(MANIFEST, None)

@@ -27,6 +27,7 @@ from chunk_grpo.models.policy import FluxPolicy
 from chunk_grpo.models.tiny import TEST_DEFAULTS, TEST_SIZES, build_tiny_flux_pipeline
 from chunk_grpo.parallelize import (
     ParallelismError,
+    all_finite,
     any_rank,
     clip_grad_norm,
     parallelize_transformer,
@@ -71,7 +72,12 @@ def parallel_scenarios(rank: int, world: int, tmp, _unused=None) -> dict:
     loss = loss_of(call, step_batch(0, FLUX_DEV_REDUCED), slice(rank * 4, rank * 4 + 4))
     loss.backward()
     results["flux_dev"] = dict(loss=float(loss.detach()), norm=clip_grad_norm(params, 1e9),
-                               grads=sum(p.grad is not None for p in params), params=len(params))
+                               grads=sum(p.grad is not None for p in params), params=len(params),
+                               finite=all_finite(params))
+    if rank == 1:  # a NaN in one shard of one rank: every rank learns of it
+        with torch.no_grad():
+            next(p for p in params if p.to_local().numel()).to_local().view(-1)[0] = float("nan")
+    results["flux_dev"]["nan_seen"] = not all_finite(params)
     for mode in ("ddp", "fsdp"):
         results[("policy", mode)] = policy_gradients(mode, rank, world)
     return results
@@ -170,6 +176,7 @@ def test_flux_dev_structure_runs_forward_backward_sharded(two_ranks):
     for run in runs:
         assert run["grads"] == run["params"] > 0
         assert torch.isfinite(torch.tensor([run["loss"], run["norm"]])).all()
+        assert run["finite"] and run["nan_seen"]
     assert runs[0]["norm"] == runs[1]["norm"]  # global: the same number on both ranks
     assert runs[0]["loss"] != runs[1]["loss"]  # each rank had its own rows
 
@@ -197,6 +204,8 @@ def test_none_refuses_several_ranks_and_offload_needs_fsdp(monkeypatch):
         parallelize_transformer(model, mode="none", device="cpu")
     with pytest.raises(ParallelismError, match="cpu_offload needs parallelism: fsdp"):
         parallelize_transformer(model, mode="ddp", device="cpu", cpu_offload=True)
+    with pytest.raises(ParallelismError, match="on the CPU .* set cpu_offload: false"):
+        parallelize_transformer(model, mode="fsdp", device="cpu", cpu_offload=True)
     with pytest.raises(ParallelismError, match="must be one of fsdp, ddp, none"):
         parallelize_transformer(model, mode="zero3", device="cpu")
 
@@ -213,6 +222,10 @@ def test_one_process_is_left_unwrapped_and_clips_like_torch():
     clipped = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
     assert float(clipped) == pytest.approx(1e-3, rel=1e-4)
     assert any_rank(True) and not any_rank(False)
+    assert all_finite(params)
+    with torch.no_grad():
+        params[0][0, 0] = float("nan")
+    assert not all_finite(params)
 
 
 def test_not_a_flux_transformer_is_named():

@@ -25,6 +25,7 @@ from chunk_grpo.sharded_checkpoint import (
     WorldSizeError,
     export_full_model,
     load_sharded_checkpoint,
+    read_trainer_state,
     resume_batch_plan,
     save_sharded_checkpoint,
 )
@@ -116,6 +117,9 @@ def test_two_rank_checkpoint_resumes_on_one_process(saved):
     assert_same_state((full_trainable_state(model), full_optimizer_state(model, optimizer)),
                       states[0])
     assert trainer["step"] == 2
+    assert read_trainer_state(run_dir)["world_size"] == 2  # before any model is built
+    with pytest.raises(CheckpointError, match="not a sharded checkpoint"):
+        read_trainer_state(run_dir / "final_model")
     full = build_transformer(False)  # full fine-tuning: not the weights the checkpoint trains
     with pytest.raises(CheckpointError, match="another LoRA / model configuration"):
         load_sharded_checkpoint(run_dir, full, make_optimizer(trainable_parameters(full)))
