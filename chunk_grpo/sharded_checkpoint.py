@@ -118,7 +118,8 @@ def save_sharded_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Modu
     problem = None
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
-        needed = state_bytes(state) * _world() + (1 << 20)  # every rank holds a like share
+        # DTensors count their global size and DDP's replicas are written once: the total
+        needed = state_bytes(state) + (1 << 20)
         if shutil.disk_usage(root).free < needed:
             problem = str(_disk_full(root, needed, latest_checkpoint(run_dir)))
         elif tmp.exists():

@@ -16,7 +16,12 @@ from safetensors import safe_open
 from spawn_ranks import run_ranks
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from chunk_grpo.checkpoint import CheckpointError, find_resumable, latest_checkpoint
+from chunk_grpo.checkpoint import (
+    CheckpointError,
+    DiskFullError,
+    find_resumable,
+    latest_checkpoint,
+)
 from chunk_grpo.models.tiny import TEST_SIZES, build_tiny_flux_pipeline
 from chunk_grpo.parallelize import parallelize_transformer, trainable_parameters
 from chunk_grpo.policy_setup import merged_transformer
@@ -61,6 +66,9 @@ def resume_on_two_ranks(rank, world, tmp, run_dir):
         trainer = load_sharded_checkpoint(run_dir, call, optimizer)
         loaded[mode] = (full_trainable_state(call), full_optimizer_state(call, optimizer),
                         trainer)
+    # the export from the DDP wrapper (the resumed weights): gathered the same way
+    export_full_model(build_tiny_flux_pipeline(["red", "cat"], **TEST_SIZES), call,
+                      tmp / "final_ddp")
     return loaded
 
 
@@ -106,6 +114,9 @@ def test_two_rank_checkpoint_resumes_on_two_ranks(saved, tmp_path):
                                                     run_dir)[1].items():
         assert_same_state((params, optim), states[0]), mode
         assert trainer["scheduler"] == {"last": 2} and trainer["world_size"] == 2
+    name = "transformer/diffusion_pytorch_model.safetensors"
+    ddp_export = next(tmp_path.glob("ranks-*/final_ddp")) / name
+    assert ddp_export.read_bytes() == (run_dir / "final_model" / name).read_bytes()
 
 
 @pytest.mark.slow
@@ -185,3 +196,18 @@ def test_resume_plan_refuses_a_batch_that_cannot_be_kept():
     plan = resume_batch_plan(saved_world_size=2, saved_prompts_per_step=3, saved_grad_accum=0,
                              world_size=4, requested_prompts_per_step=2)
     assert plan.prompts_per_step == 2 and "changes from 6 to 8 prompts" in plan.message
+
+
+def test_one_process_save_and_a_full_disk_keeps_the_previous(tmp_path, monkeypatch):
+    model = build_transformer(True)
+    params = trainable_parameters(model)
+    optimizer = make_optimizer(params)
+    train(model, params, 0, 1, optimizer=optimizer, steps=range(1))
+    first = save_sharded_checkpoint(tmp_path, 1, model, optimizer, {"n": 1})
+    assert read_trainer_state(tmp_path)["world_size"] == 1
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1000))
+    with pytest.raises(DiskFullError, match="needs about .* the previous checkpoint .* is kept"):
+        save_sharded_checkpoint(tmp_path, 2, model, optimizer, {"n": 2})
+    assert latest_checkpoint(tmp_path) == first
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
