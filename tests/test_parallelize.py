@@ -4,7 +4,7 @@ Each run: 3 optimizer steps of a global batch of 8 rows, on 2 ranks as 2 micro-b
 per rank (gradient sync only on the second), on 1 process as 4 micro-batches of 2 rows; AdamW and
 global grad-norm clipping (the max norm is small enough to clip every step). The parameters and
 the norms must agree to float reduction order: fp32 compute, atol 2e-6 on weights of order 0.1
-(measured differences are about 1e-7). All 2-rank scenarios share one spawn (one process group)
+(measured differences are about 1e-7). All 2-rank scenarios share one launch (one process group)
 to keep start-up cost low.
 """
 
