@@ -138,12 +138,16 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
         path = pointer.parent / pointer.read_text().strip()
     except (OSError, UnicodeDecodeError):
         return None
-    return path if (path / STATE).is_file() else None
+    # a sharded (DCP) checkpoint has no state.pt; its manifest is written last
+    return path if (path / STATE).is_file() or (path / MANIFEST).is_file() else None
 
 
 def checkpoint_problem(path: Path) -> str | None:
     """Why the checkpoint directory ``path`` cannot be trusted, or None if it is intact.
     Checkpoints written before manifests existed are accepted if their state file loads."""
+    sharded = _sharded_files_problem(path)
+    if sharded is not None:
+        return sharded or None
     state = path / STATE
     if not state.is_file():
         return f"no {STATE}"
@@ -166,6 +170,26 @@ def checkpoint_problem(path: Path) -> str | None:
     if _sha256(state) != expected["sha256"]:
         return f"{STATE} does not match its manifest's sha256 (damaged)"
     return None
+
+
+def _sharded_files_problem(path: Path) -> str | None:
+    """For a sharded (DCP) checkpoint: "" if every file its manifest lists is there with its
+    size (sha256 is checked when it is loaded, by all ranks), else the problem; None for any
+    other checkpoint."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or manifest.get("format") != "dcp":
+        return None
+    for name, entry in manifest["files"].items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != entry["bytes"]:
+            return (f"{name} has {file.stat().st_size} bytes, its manifest says "
+                    f"{entry['bytes']} (truncated?)")
+    return ""
 
 
 def find_resumable(run_dir: str | Path, report=None) -> Path:

@@ -118,8 +118,9 @@ def merged_transformer(transformer: torch.nn.Module) -> torch.nn.Module:
 
 
 def export_pipeline(pipeline, transformer: torch.nn.Module, out_dir: str | Path,
-                    defaults=None) -> Path:
-    """Save ``pipeline`` with ``transformer`` (LoRA merged) as a diffusers directory.
+                    defaults=None, dtype: torch.dtype | None = None) -> Path:
+    """Save ``pipeline`` with ``transformer`` (LoRA merged, then cast to ``dtype`` if given,
+    e.g. bf16 for FLUX.1-dev's own format) as a diffusers directory.
 
     ``defaults`` (the model's SamplingDefaults) is saved with it, so evaluation samples the
     exported model exactly as the base. Written to a temporary directory, then moved into place.
@@ -129,6 +130,8 @@ def export_pipeline(pipeline, transformer: torch.nn.Module, out_dir: str | Path,
     if tmp.exists():
         shutil.rmtree(tmp)
     plain = merged_transformer(transformer).eval()
+    if dtype is not None:
+        plain = plain.to(dtype)
     original = pipeline.transformer
     pipeline.transformer = plain
     try:

@@ -96,6 +96,9 @@ class FluxPolicy:
         tokenizer_2 = getattr(pipeline, "tokenizer_2", None)
         self.lowercase_t5 = tokenizer_2 is not None and reads_lowercase_only(tokenizer_2)
         self._negative: PromptEmbeds | None = None
+        # The module velocity calls: the transformer, or its DDP wrapper (set after
+        # parallelize_transformer). Attributes (config, dtype, adapters) are read on `transformer`.
+        self.forward_module: torch.nn.Module | None = None
         self.sampling_file_found = False  # from_pretrained: the model had a chunk_grpo.json
         self.source: str | None = None  # from_pretrained: the path or hub id loaded
         self.prompt_cache = None  # a chunk_grpo.prompt_cache.PromptCache, once prompts are cached
@@ -326,7 +329,10 @@ class FluxPolicy:
         guidance = None
         if transformer.config.guidance_embeds:
             guidance = torch.full_like(sigma, self.guidance_scale)
-        return transformer(
+        # The policy's own transformer runs through its DDP wrapper when it has one.
+        wrapped = self.forward_module is not None and transformer is self.transformer
+        call = self.forward_module if wrapped else transformer
+        return call(
             hidden_states=x,
             # FLUX's transformer multiplies the timestep by 1000 itself: pass sigma in [0, 1].
             timestep=sigma.to(dtype),

@@ -1,0 +1,185 @@
+"""Spread the FLUX transformer over the ranks of a torchrun job: FSDP2, DDP or nothing.
+
+`parallelize_transformer` applies, in torchtitan's order: activation checkpointing per block ->
+optional `torch.compile` per block -> `fully_shard` (FSDP2) per double block
+(`transformer_blocks`) and single block (`single_transformer_blocks`) -> the root. FSDP2 keeps
+fp32 master weights sharded on dim 0 (DTensors) and computes in `param_dtype` (bf16) with fp32
+gradient reduction. DDP (torch's) keeps a full copy per rank and all-reduces gradients in
+buckets. LoRA works with both: frozen base weights and trainable adapters share a block.
+
+The training loop then needs three things from here, around every optimizer step:
+`sync_gradients` (skip the gradient collective on all but the last micro-batch), `clip_grad_norm`
+(the global norm over the shards) and `any_rank` (all ranks skip a non-finite step together).
+Under FSDP every forward and backward holds collectives: every rank must make the same calls,
+and call backward even for a non-finite loss (the agreed flag then skips the step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+PARALLELISMS = ("fsdp", "ddp", "none")
+
+
+class ParallelismError(ValueError):
+    """A parallelism setting that cannot run here; the message names the fix."""
+
+
+def world_size() -> int:
+    """Ranks in the default process group (1 without one)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def flux_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
+    """FLUX's double-stream then single-stream blocks: the units of checkpointing, compiling
+    and sharding."""
+    missing = [name for name in ("transformer_blocks", "single_transformer_blocks")
+               if not isinstance(getattr(transformer, name, None), torch.nn.ModuleList)]
+    if missing:
+        raise ParallelismError(f"{type(transformer).__name__} has no {' / '.join(missing)}: "
+                               "parallelize_transformer expects a FLUX transformer "
+                               "(diffusers' FluxTransformer2DModel)")
+    return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
+
+
+def _check_mode(mode: str, world: int, cpu_offload: bool) -> None:
+    if mode not in PARALLELISMS:
+        raise ParallelismError(f"parallelism must be one of {', '.join(PARALLELISMS)}, "
+                               f"got {mode!r}")
+    if mode == "none" and world > 1:
+        raise ParallelismError(f"parallelism 'none' runs one process, but this job has {world} "
+                               "ranks; set parallelism: ddp (small models) or fsdp (FLUX.1-dev), "
+                               "or launch one process")
+    if cpu_offload and mode != "fsdp":
+        raise ParallelismError(f"cpu_offload needs parallelism: fsdp (got {mode!r}); set "
+                               "parallelism: fsdp or cpu_offload: false")
+
+
+def parallelize_transformer(transformer: torch.nn.Module, *, mode: str,
+                            device: torch.device | str,
+                            activation_checkpointing: bool = False,
+                            compile_blocks: bool = False, cpu_offload: bool = False,
+                            param_dtype: torch.dtype | None = torch.bfloat16,
+                            reduce_dtype: torch.dtype | None = torch.float32,
+                            compile_backend: str = "inductor") -> torch.nn.Module:
+    """Prepare ``transformer`` (in place) for the job's ranks; returns the module to call.
+
+    That is the transformer itself for "fsdp" (sharded in place: attributes such as ``config``
+    and the PEFT methods stay reachable) and "none", and a DistributedDataParallel wrapper for
+    "ddp" (call it; read attributes on ``transformer``). Without a process group (one plain
+    process) "ddp" and "fsdp" leave the transformer unwrapped: there is nothing to share.
+
+    Build the optimizer after this call: FSDP replaces the parameters by sharded ones (collect
+    them with `trainable_parameters`). The weights must be identical on every rank before the
+    call (build them from the same seed): FSDP shards each rank's own copy.
+    """
+    device = torch.device(device)
+    world = world_size()
+    _check_mode(mode, world, cpu_offload)
+    if cpu_offload and device.type != "cuda":
+        raise ParallelismError("cpu_offload moves sharded weights off the GPU; on the CPU they "
+                               "are there already: set cpu_offload: false")
+    blocks = flux_blocks(transformer)
+    if activation_checkpointing:
+        # diffusers wraps each block call in a non-reentrant torch.utils.checkpoint: per block,
+        # and the parameter names stay as they are (checkpoints and LoRA depend on them).
+        transformer.enable_gradient_checkpointing()
+    if compile_blocks:
+        for block in blocks:
+            block.compile(backend=compile_backend)  # in place: no `_orig_mod` in the names
+    if mode == "none" or not dist.is_initialized():
+        return transformer
+    if mode == "ddp":
+        # No buffer broadcast: a forward then holds no collective, so ranks may sample and
+        # evaluate different numbers of batches; only backward (when syncing) all-reduces.
+        return DistributedDataParallel(
+            transformer, device_ids=[device.index] if device.type == "cuda" else None,
+            broadcast_buffers=False)
+    mesh = dist.device_mesh.init_device_mesh(device.type, (world,))
+    options = dict(mesh=mesh,
+                   mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype,
+                                                  reduce_dtype=reduce_dtype),
+                   offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
+    for block in blocks:
+        fully_shard(block, **options)
+    fully_shard(transformer, **options)  # the embedders, norms and projections outside blocks
+    return transformer
+
+
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformer behind a DDP wrapper (FSDP2 modules are their own transformer)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters the optimizer steps (sharded DTensors under FSDP)."""
+    return [p for p in unwrapped(model).parameters() if p.requires_grad]
+
+
+@contextmanager
+def sync_gradients(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
+    """Wrap one micro-batch's forward and backward: with ``enabled`` False the gradients only
+    accumulate locally (DDP's no_sync; FSDP2 keeps them unsharded), True on the last
+    micro-batch before an optimizer step, which reduces the accumulated sum once.
+
+    DDP decides in the forward whether the backward all-reduces, so the forward belongs inside.
+    """
+    if enabled:
+        yield
+    elif isinstance(model, DistributedDataParallel):
+        with model.no_sync():
+            yield
+    elif isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
+    """Scale the gradients to a global L2 norm of at most ``max_norm``; returns the norm before
+    clipping. Under FSDP each rank holds gradient shards: the norm is taken over all of them
+    (the same number on every rank, and the one a single process computes); NaN/Inf if any
+    gradient is not finite."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    total = torch.nn.utils.get_total_norm(grads, 2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()  # the sum of the shards' squares, across ranks
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return float(total)
+
+
+def any_rank(flag: bool, device: torch.device | str = "cpu") -> bool:
+    """True on every rank when ``flag`` is True on any rank (e.g. a non-finite loss), so all
+    ranks skip the same optimizer step."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item() > 0)
+
+
+def all_finite(tensors: list[torch.Tensor], device: torch.device | str = "cpu") -> bool:
+    """Whether every tensor (e.g. the trained weights before a checkpoint) is finite on every
+    rank; each rank checks only its own shards."""
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    bad = any(not bool(torch.isfinite(t.detach()).all()) for t in local if t.numel())
+    return not any_rank(bad, device)

@@ -1,0 +1,301 @@
+"""Sharded checkpoints for FSDP2 / DDP runs with torch.distributed.checkpoint (DCP).
+
+Every rank writes its own shards of the trainable weights and the optimizer state in parallel;
+nothing is gathered on rank 0. A checkpoint is a directory `checkpoints/step-XXXXXXXX/` with
+`shards/` (DCP's `.metadata` and `__<rank>_<n>.distcp` files), `trainer.pt` (rank 0's small state:
+step, scheduler, counters, the world size and batch it was saved with) and `manifest.json`
+(`"format": "dcp"`, every file's size and sha256). As in checkpoint.py it is written under a
+temporary name and renamed when complete, and `checkpoints/latest` names it; `find_resumable`
+skips a damaged one. DCP reshards on load, so a checkpoint saved on N ranks loads on M ranks
+(or on one plain process); `resume_batch_plan` says what that changes in the batch.
+
+The final model is gathered once, onto rank 0's CPU, by `export_full_model`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+from chunk_grpo.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    DiskFullError,
+    _atomic_write_text,
+    _disk_full,
+    _sha256,
+    find_resumable,
+    latest_checkpoint,
+    rng_state,
+    set_rng_state,
+    state_bytes,
+)
+from chunk_grpo.parallelize import unwrapped
+from chunk_grpo.policy_setup import export_pipeline, uses_lora
+
+FORMAT = "dcp"
+SHARDS = "shards"
+TRAINER = "trainer.pt"
+# Only the weights being trained: LoRA adapters (the frozen base comes from the model files).
+_TRAINABLE = StateDictOptions(ignore_frozen_params=True)
+# Loading them leaves the frozen weights as they are (the keys are checked beforehand).
+_LOAD_TRAINABLE = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+class WorldSizeError(ValueError):
+    """A checkpoint's global batch cannot be kept at this world size; the message says how."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _broadcast(value):
+    """Rank 0's ``value`` on every rank (a picklable object)."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _file_hashes(directory: Path) -> dict[str, dict]:
+    """{relative path: {bytes, sha256}} of every file below ``directory``; each rank hashes an
+    equal share of the files (a shared filesystem), the results are gathered on every rank."""
+    files = sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
+    mine = {name: {"bytes": (directory / name).stat().st_size, "sha256": _sha256(directory / name)}
+            for name in files[_rank()::_world()]}
+    if not dist.is_initialized():
+        return mine
+    parts = [None] * _world()
+    dist.all_gather_object(parts, mine)
+    return {name: entry for part in parts for name, entry in sorted(part.items())}
+
+
+def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  extra: dict | None = None) -> dict:
+    """The DCP state of a run: trainable weights and optimizer state keyed by parameter name
+    (sharded DTensors under FSDP), plus ``extra`` tensors (e.g. EMA shadows)."""
+    model_state, optim_state = get_state_dict(model, optimizer, options=_TRAINABLE)
+    state = {"model": model_state, "optimizer": optim_state}
+    if extra:
+        state["extra"] = extra
+    return state
+
+
+def save_sharded_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
+                            optimizer: torch.optim.Optimizer, trainer_state: dict, *,
+                            extra: dict | None = None, keep: int = 2) -> Path:
+    """Write checkpoint ``step``: every rank calls this (a collective). ``trainer_state``
+    (plain objects, rank 0's) goes to trainer.pt with the world size; ``extra`` tensors are
+    sharded like the weights. Returns the checkpoint directory."""
+    root = Path(run_dir) / "checkpoints"
+    final, tmp = root / f"step-{step:08d}", root / f".tmp-step-{step:08d}"
+    state = sharded_state(model, optimizer, extra)
+    problem = None
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        # DTensors count their global size and DDP's replicas are written once: the total
+        needed = state_bytes(state) + (1 << 20)
+        if shutil.disk_usage(root).free < needed:
+            problem = str(_disk_full(root, needed, latest_checkpoint(run_dir)))
+        elif tmp.exists():
+            shutil.rmtree(tmp)
+    problem = _broadcast(problem)
+    if problem is not None:
+        raise DiskFullError(28, problem)  # ENOSPC on every rank, the previous checkpoint kept
+    try:
+        dcp.save(state, checkpoint_id=tmp / SHARDS)
+        if _rank() == 0:
+            torch.save(dict(trainer_state, step=step, world_size=_world(), rng=rng_state()),
+                       tmp / TRAINER)
+        _barrier()
+        files = _file_hashes(tmp)
+    except BaseException:
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if _rank() == 0:
+        manifest = {"step": step, "format": FORMAT, "world_size": _world(), "files": files}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _atomic_write_text(root / "latest", final.name + "\n")
+        old = sorted(p for p in root.glob("step-*") if p.is_dir() and p != final)
+        for stale in old[:max(0, len(old) - (keep - 1))]:
+            shutil.rmtree(stale, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def resolve_sharded_checkpoint(path: str | Path) -> Path:
+    """The checkpoint directory ``path`` names: itself, or a run directory's newest intact
+    checkpoint (skipped damaged ones are reported by rank 0)."""
+    path = Path(path)
+    if not (path / MANIFEST).is_file() and (path / "checkpoints").is_dir():
+        quiet = None if _rank() == 0 else (lambda line: None)
+        path = find_resumable(path, report=quiet)
+    if not (path / SHARDS).is_dir():
+        raise CheckpointError(f"{path} is not a sharded checkpoint (no {SHARDS}/); give a run "
+                              "directory or a step-XXXXXXXX directory written by a ddp/fsdp run")
+    return path
+
+
+def read_trainer_state(path: str | Path) -> dict:
+    """trainer.pt of a sharded checkpoint (or a run's newest), without loading the shards: what
+    the run needs before it builds its model (e.g. the saved world size for resume_batch_plan)."""
+    path = resolve_sharded_checkpoint(path)
+    return torch.load(path / TRAINER, map_location="cpu", weights_only=False)
+
+
+def load_sharded_checkpoint(path: str | Path, model: torch.nn.Module,
+                            optimizer: torch.optim.Optimizer, *, extra: dict | None = None,
+                            restore_rng: bool = False) -> dict:
+    """Load a sharded checkpoint (or a run directory's newest intact one) into ``model``,
+    ``optimizer`` and the ``extra`` tensors in place, at any world size; every rank calls this.
+    Returns trainer.pt's state (with the saved ``world_size``). The files are checked against
+    the manifest's sha256 first (each rank hashes a share)."""
+    path = resolve_sharded_checkpoint(path)
+    expected = json.loads((path / MANIFEST).read_text())["files"]
+    found = _file_hashes(path)
+    found.pop(MANIFEST, None)
+    damaged = sorted(name for name in expected if found.get(name) != expected[name])
+    if damaged:
+        raise CheckpointError(f"checkpoint {path} is damaged: {damaged[0]} does not match its "
+                              "manifest; give its run directory to fall back to an earlier one")
+    state = sharded_state(model, optimizer, extra)
+    _check_same_weights(path, state["model"])
+    dcp.load(state, checkpoint_id=path / SHARDS)
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"], options=_LOAD_TRAINABLE)
+    trainer = torch.load(path / TRAINER, map_location="cpu", weights_only=False)
+    if restore_rng:
+        set_rng_state(trainer["rng"])
+    return trainer
+
+
+def _check_same_weights(path: Path, model_state: dict) -> None:
+    """The checkpoint trains exactly the model's trainable weights (DCP alone would ignore
+    extra ones and name a missing one deep in a traceback)."""
+    saved = {key.removeprefix("model.") for key in
+             dcp.FileSystemReader(path / SHARDS).read_metadata().state_dict_metadata
+             if key.startswith("model.")}
+    wanted = set(model_state)
+    if saved != wanted:
+        odd = sorted(saved ^ wanted)[0]
+        raise CheckpointError(f"checkpoint {path} trains other weights than this model (e.g. "
+                              f"{odd}); was it saved with another LoRA / model configuration?")
+
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    """Whether the checkpoint directory ``path`` was written by save_sharded_checkpoint."""
+    return (Path(path) / SHARDS).is_dir()
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Per-rank settings that keep a checkpoint's global batch at a new world size."""
+
+    prompts_per_step: int
+    grad_accum: int
+    message: str | None  # one line for the log; None when nothing changes
+
+
+def resume_batch_plan(*, saved_world_size: int, saved_prompts_per_step: int,
+                      saved_grad_accum: int, world_size: int,
+                      requested_prompts_per_step: int | None = None) -> BatchPlan:
+    """The per-rank prompts and grad_accum for resuming at ``world_size``.
+
+    Policy: a resumed run keeps the global batch it was saved with (prompts per iteration and
+    rows per optimizer step, which the optimizer state and learning-rate schedule were built
+    on), so the per-rank prompts and grad_accum scale by saved_world_size / world_size. If they
+    cannot, that is an error naming the world sizes that can. Giving prompts_per_step explicitly
+    on resume (``requested_prompts_per_step``) changes the global batch on purpose, and the line
+    says so.
+    """
+    same = world_size == saved_world_size
+    if requested_prompts_per_step is not None and (
+            not same or requested_prompts_per_step != saved_prompts_per_step):
+        before = saved_prompts_per_step * saved_world_size
+        after = requested_prompts_per_step * world_size
+        return BatchPlan(requested_prompts_per_step, saved_grad_accum,
+                         f"[chunk-grpo] resuming a {saved_world_size}-rank checkpoint on "
+                         f"{world_size} rank(s) with prompts_per_step "
+                         f"{requested_prompts_per_step} as given: the global batch changes from "
+                         f"{before} to {after} prompts per iteration")
+    if same:
+        return BatchPlan(saved_prompts_per_step, saved_grad_accum, None)
+    total = saved_prompts_per_step * saved_world_size
+    accum_total = saved_grad_accum * saved_world_size  # training calls per step, all ranks
+    if total % world_size or accum_total % world_size:
+        fits = [n for n in range(1, total + 1)
+                if total % n == 0 and accum_total % n == 0]
+        raise WorldSizeError(
+            f"the checkpoint's global batch ({saved_prompts_per_step} prompts x "
+            f"{saved_world_size} ranks = {total} per iteration, grad_accum {saved_grad_accum}) "
+            f"cannot be split over {world_size} ranks; resume on {', '.join(map(str, fits))} "
+            f"rank(s), or pass --prompts-per-step to change the global batch")
+    pps, accum = total // world_size, accum_total // world_size
+    accum_note = f" and grad_accum {saved_grad_accum} -> {accum}" if saved_grad_accum else ""
+    return BatchPlan(pps, accum,
+                     f"[chunk-grpo] resuming a {saved_world_size}-rank checkpoint on {world_size} "
+                     f"rank(s): prompts_per_step {saved_prompts_per_step} -> {pps} per "
+                     f"rank{accum_note}; the global batch stays {total} prompts per iteration")
+
+
+def gather_full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every weight of the model (frozen ones too) as full CPU tensors on rank 0, an empty dict
+    on the other ranks; every rank calls this (under FSDP it all-gathers one tensor at a time)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
+
+
+def plain_transformer(model: torch.nn.Module, full_state: dict[str, torch.Tensor]):
+    """An unsharded copy of the (FLUX) transformer holding ``full_state``, built on the meta
+    device so no second set of weights is initialised; keeps its LoRA adapters (unmerged)."""
+    live = unwrapped(model)
+    with torch.device("meta"):
+        plain = type(live).from_config(live.config)
+        if uses_lora(live):
+            for name, config in live.peft_config.items():
+                plain.add_adapter(copy.deepcopy(config), adapter_name=name)
+    plain.load_state_dict(full_state, assign=True)
+    return plain
+
+
+def export_full_model(pipeline, model: torch.nn.Module, out_dir: str | Path, *, defaults=None,
+                      dtype: torch.dtype = torch.bfloat16) -> Path:
+    """final_model/: the trained transformer gathered to rank 0's CPU, LoRA merged, saved in
+    ``dtype`` (bf16 safetensors by default) with the rest of ``pipeline`` in diffusers layout.
+    Every rank calls this; rank 0 writes."""
+    full = gather_full_state(model)
+    out_dir = Path(out_dir)
+    if _rank() == 0:
+        export_pipeline(pipeline, plain_transformer(model, full), out_dir, defaults=defaults,
+                        dtype=dtype)
+    _barrier()
+    return out_dir
