@@ -78,24 +78,6 @@ def all_gather_cat(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def make_grad_reducer(info: DistInfo):
-    """None on one process; else a function averaging gradients and OR-ing the skip flag."""
-    if info.world_size == 1:
-        return None
-
-    def reduce(params: list, bad: bool) -> bool:
-        flag = torch.tensor([1.0 if bad else 0.0], device=info.device)
-        dist.all_reduce(flag)
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad)
-            p.grad.div_(info.world_size)
-        return bool(flag.item() > 0)
-
-    return reduce
-
-
 def barrier(info: DistInfo) -> None:
     if info.world_size > 1:
         dist.barrier()

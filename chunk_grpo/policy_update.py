@@ -186,8 +186,8 @@ def accumulate_gradients(policy, rollout: Rollout, prompt_embeds, advantages: to
     Each unit's loss (a mean over its rows) is weighted by its share of the rows of its
     optimizer step (`row_weights`), so a step's gradient is that of the mean over its rows,
     however the micro-batches split. chunk_steps[j] lists chunk j's transitions.
-    ``grad_sync(boundary)``: a context around each backward that lets gradients synchronise
-    across ranks only before a boundary (None: one process).
+    ``grad_sync(boundary)``: a context around each unit's forward and backward that lets
+    gradients synchronise across ranks only before a boundary (None: no ranks to sync).
     """
     step_after = optimizer_step_after(len(units), settings.grad_accum)
     weights = row_weights(units, step_after)
@@ -216,21 +216,26 @@ def accumulate_gradients(policy, rollout: Rollout, prompt_embeds, advantages: to
     bad = False
     for _epoch in range(settings.ppo_epochs):
         for k, unit in enumerate(units):
-            logp_new = logprobs(unit)
-            steps = unit_steps(unit, chunk_steps)
-            if k in snapshot:
-                logp_old = snapshot[k]
-            else:
-                logp_old = logp_new.detach()
-                gap = (logp_old - rollout.logps[unit.rows][:, steps]).abs()
-                record.rollout_logp_gap = max(record.rollout_logp_gap, float(gap.max()))
-            loss, stats = unit_loss(logp_new, logp_old, advantages[unit.rows],
-                                    [len(chunk_steps[j]) for j in unit.chunks],
-                                    clip_low=settings.clip_low, clip_high=settings.clip_high,
-                                    kl_coef=settings.kl_coef, logp_ref=reference.get(k))
-            if _is_finite(loss):
-                with grad_sync(step_after[k]) if grad_sync is not None else nullcontext():
+            # DDP decides in the forward whether the backward syncs: both go inside the context.
+            with grad_sync(step_after[k]) if grad_sync is not None else nullcontext():
+                logp_new = logprobs(unit)
+                steps = unit_steps(unit, chunk_steps)
+                if k in snapshot:
+                    logp_old = snapshot[k]
+                else:
+                    logp_old = logp_new.detach()
+                    gap = (logp_old - rollout.logps[unit.rows][:, steps]).abs()
+                    record.rollout_logp_gap = max(record.rollout_logp_gap, float(gap.max()))
+                loss, stats = unit_loss(logp_new, logp_old, advantages[unit.rows],
+                                        [len(chunk_steps[j]) for j in unit.chunks],
+                                        clip_low=settings.clip_low, clip_high=settings.clip_high,
+                                        kl_coef=settings.kl_coef, logp_ref=reference.get(k))
+                finite = _is_finite(loss)
+                # Across ranks every backward holds collectives, so a non-finite loss still
+                # runs it (its step is skipped on every rank); alone it is skipped.
+                if finite or grad_sync is not None:
                     (loss * weights[k]).backward()
+            if finite:
                 record.losses.append(float(loss.detach()))
                 record.add_stats(unit.chunks, stats)
             else:

@@ -18,15 +18,17 @@ With ``algorithm: g2rpo`` step 2 branches each prompt's ODE trajectory at one st
 the branches at several strides (`chunk_grpo.branching`), step 4 sums the finishes' advantages,
 and step 5 trains that one step.
 The run is built by `chunk_grpo.trainer_setup` and evaluated by `chunk_grpo.trainer_eval`.
-Simplifications: gradients are averaged across ranks by an all-reduce at each boundary (no
-DDP overlap). The hybrid-evaluation base comes from the policy's own weights
-(`chunk_grpo.hybrid_base`).
+Under torchrun the transformer is sharded with FSDP2 or wrapped in DDP (`parallelism`), the
+gradients sync only at accumulation boundaries, and several ranks write sharded checkpoints
+(`chunk_grpo.trainer_checkpoint`). The hybrid-evaluation base comes from the policy's own
+weights (`chunk_grpo.hybrid_base`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,9 +42,6 @@ from chunk_grpo.branching import parse_granularities, sample_branch_rollouts
 from chunk_grpo.checkpoint import (
     DiskFullError,
     latest_checkpoint,
-    load_checkpoint,
-    nonfinite_tensors,
-    save_checkpoint,
 )
 from chunk_grpo.chunking import ChunkLayout, select_chunks
 from chunk_grpo.cli import run_cli
@@ -55,6 +54,7 @@ from chunk_grpo.config import (
     save_config,
 )
 from chunk_grpo.metrics import reward_captions, save_image_grid
+from chunk_grpo.parallelize import any_rank, clip_grad_norm, sync_gradients
 from chunk_grpo.policy_update import TrainUnit, UpdateRecord, accumulate_gradients, plan_units
 from chunk_grpo.precision import resolve_mixed_precision
 from chunk_grpo.prompt_cache import setup_text_encoders
@@ -62,17 +62,22 @@ from chunk_grpo.rewards.outputs import RewardError
 from chunk_grpo.rollout import Rollout, sample_rollouts
 from chunk_grpo.run_lock import RunLock
 from chunk_grpo.scoring import RolloutScorer, constant_within_groups
+from chunk_grpo.trainer_checkpoint import (
+    NonFiniteWeights,
+    config_for_world,
+    find_run_checkpoint,
+    restore_run,
+    save_run_checkpoint,
+)
 from chunk_grpo.trainer_eval import evaluate, export_final, finish_summary
 from chunk_grpo.trainer_setup import (
     PromptSets,
     Trainer,
     build_trainer,
     check_prompt_sets,
-    checkpoint_state,
     load_checked_policy,
     read_prompt_sets,
     resolve_reward,
-    restore_state,
 )
 
 
@@ -195,14 +200,13 @@ def collect_batch(tr: Trainer, step: int, timer: _PhaseTimer | None = None, *,
 
 
 def optimizer_step(tr: Trainer, nonfinite: bool, record: UpdateRecord) -> None:
-    """The step at an accumulation boundary: average the gradients across ranks, clip their
-    global norm, step the optimizer, the schedule and the EMA (or skip the step when a loss or
-    the gradient is NaN/Inf, on every rank alike), and zero the gradients."""
-    reduce_grads = D.make_grad_reducer(tr.info)
-    if reduce_grads is not None:
-        nonfinite = reduce_grads(tr.params, nonfinite)
-    norm = torch.nn.utils.clip_grad_norm_(tr.params, tr.cfg.max_grad_norm)
-    if nonfinite or not bool(torch.isfinite(norm)):
+    """The step at an accumulation boundary (the gradients are already averaged across ranks
+    by DDP or FSDP): clip their global norm, step the optimizer, the schedule and the EMA, or
+    skip the step when a loss or the gradient is NaN/Inf on any rank (all ranks alike), and
+    zero the gradients."""
+    nonfinite = any_rank(nonfinite, tr.info.device)
+    norm = clip_grad_norm(tr.params, tr.cfg.max_grad_norm)
+    if nonfinite or not math.isfinite(norm):
         record.skipped_steps += 1
     else:
         tr.optimizer.step()
@@ -210,7 +214,7 @@ def optimizer_step(tr: Trainer, nonfinite: bool, record: UpdateRecord) -> None:
         if tr.ema is not None:
             tr.ema.update()
         record.optimizer_steps += 1
-        record.grad_norms.append(float(norm))
+        record.grad_norms.append(norm)
     tr.optimizer.zero_grad(set_to_none=True)
 
 
@@ -231,7 +235,8 @@ def train_iteration(tr: Trainer, step: int) -> tuple[dict, bool]:
         for nonfinite in accumulate_gradients(
                 tr.policy, batch.rollout, batch.rollout.prompt_embeds, batch.advantages,
                 batch.units, [tr.layout.steps(j) for j in range(tr.layout.num_chunks)],
-                tr.loss_settings, record):
+                tr.loss_settings, record,
+                grad_sync=lambda boundary: sync_gradients(tr.module, boundary)):
             optimizer_step(tr, nonfinite, record)
 
     # 7. metrics of the update
@@ -322,29 +327,31 @@ def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = F
 
 def _start_or_resume(cfg: TrainConfig, run_dir: Path, info: D.DistInfo, resume: bool,
                      prompt_sets: PromptSets, reward_fn, policy) -> tuple[Trainer, int, int]:
-    """The trainer, fresh or restored from the newest intact checkpoint; (trainer, first step,
-    bad streak)."""
-    start, bad_streak, state = 0, 0, None
-    layout = chunk_weights = None
+    """The trainer, fresh or restored from the newest intact checkpoint (either format, saved
+    at any world size); (trainer, first step, bad streak)."""
+    saved = None
     if resume:
-        state = load_checkpoint(run_dir)
-        start, bad_streak = state["step"], state["bad_streak"]
-        layout = ChunkLayout(tuple(state["chunk_layout"]))
-        chunk_weights = state["chunk_weights"]
+        saved = find_run_checkpoint(run_dir)
+        cfg, change = config_for_world(cfg, saved, info.world_size)
+        if change and info.is_main:
+            print(change, flush=True)
     elif info.is_main:
         if (run_dir / "checkpoints").exists():  # another run got here first
             raise ConfigError(f"{run_dir} already holds a run; pass --resume {run_dir} to "
                               "continue it or choose another output_dir")
         save_config(cfg, run_dir / "config.yaml")
     D.barrier(info)
-    tr = build_trainer(cfg, run_dir, info, prompt_sets=prompt_sets, layout=layout,
-                       chunk_weights=chunk_weights, reward_fn=reward_fn, policy=policy)
-    if state is not None:
-        restore_state(tr, state)
-        tr.logger.truncate_after(start)
-        if info.is_main:
-            save_config(cfg, run_dir / "config.yaml")
-    return tr, start, bad_streak
+    tr = build_trainer(cfg, run_dir, info, prompt_sets=prompt_sets,
+                       layout=ChunkLayout(saved.layout) if saved else None,
+                       chunk_weights=saved.chunk_weights if saved else None,
+                       reward_fn=reward_fn, policy=policy)
+    if saved is None:
+        return tr, 0, 0
+    restore_run(tr, saved)
+    tr.logger.truncate_after(saved.step)
+    if info.is_main:
+        save_config(cfg, run_dir / "config.yaml")
+    return tr, saved.step, saved.bad_streak
 
 
 def _make_run_dir(run_dir: Path) -> None:
@@ -390,39 +397,38 @@ def _train_loop(tr: Trainer, start: int, bad_streak: int, on_step_end) -> None:
                 f"or clip ranges, or check the reward.")
         if finite and ((cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)
                        or done):
-            state = checkpoint_state(tr, bad_streak)
-            _refuse_nonfinite(state, step + 1, run_dir)  # every rank: all hold the same weights
-            if info.is_main:
-                save_checkpoint(run_dir, step + 1, state, keep=cfg.keep_checkpoints)
-            D.barrier(info)
+            _checkpoint(tr, step + 1, bad_streak)
         if on_step_end is not None:
             on_step_end(step + 1, metrics)
         if done:
             break
+    try:
+        model_dir = export_final(tr)  # every rank: a sharded model is gathered for rank 0
+    except OSError as err:
+        if err.errno != errno.ENOSPC:
+            raise
+        raise DiskFullError(errno.ENOSPC, f"no space left on device to export "
+                            f"{run_dir / 'final_model'}; the last checkpoint "
+                            f"{latest_checkpoint(run_dir)} is kept: free some space and run "
+                            f"--resume {run_dir} to export it") from None
     if info.is_main:
-        try:
-            model_dir = export_final(tr)
-        except OSError as err:
-            if err.errno != errno.ENOSPC:
-                raise
-            raise DiskFullError(errno.ENOSPC, f"no space left on device to export "
-                                f"{run_dir / 'final_model'}; the last checkpoint "
-                                f"{latest_checkpoint(run_dir)} is kept: free some space and run "
-                                f"--resume {run_dir} to export it") from None
         text = finish_summary(tr, step + 1 - start, (time.time() - t_start) / 60, model_dir)
         if cfg.progress:
             print(text, flush=True)
 
 
-def _refuse_nonfinite(state: dict, step: int, run_dir: Path) -> None:
-    """Never checkpoint NaN/Inf weights; the last checkpoint on disk stays the one to resume."""
-    bad = nonfinite_tensors(state["model"])
-    if bad:
-        last = latest_checkpoint(run_dir)
+def _checkpoint(tr: Trainer, step: int, bad_streak: int) -> None:
+    """Checkpoint ``step`` on every rank; NaN/Inf weights are never saved: the run stops and the
+    last checkpoint on disk stays the one to resume."""
+    try:
+        save_run_checkpoint(tr, step, bad_streak)
+    except NonFiniteWeights as err:
+        last = latest_checkpoint(tr.run_dir)
         kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written"
         raise TrainingDiverged(
-            f"{len(bad)} trained tensor(s) (e.g. {bad[0]}) hold NaN/Inf at step {step}; they are "
-            f"not saved and {kept}. Lower lr or max_grad_norm and resume or restart.")
+            f"{err} hold NaN/Inf at step {step}; they are not saved and {kept}. Lower lr or "
+            f"max_grad_norm and resume or restart.") from None
+    D.barrier(tr.info)
 
 
 def _kept_checkpoint(run_dir: Path) -> str:

@@ -5,14 +5,21 @@ exported model."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
-from chunk_grpo.evaluation import evaluate_policy
+import torch
+import torch.distributed as dist
+
+from chunk_grpo import distributed as D
+from chunk_grpo.evaluation import EvalResult, evaluate_policy
 from chunk_grpo.metrics import reward_captions, save_image_grid
 from chunk_grpo.policy_setup import export_pipeline
+from chunk_grpo.sharded_checkpoint import export_full_model
 from chunk_grpo.stats import mean_ci95
 from chunk_grpo.summary import Comparison, before_after_grid, save_summary, summary_text
 from chunk_grpo.trainer_setup import Trainer
+from chunk_grpo.weights_dtype import resolve_weights_dtype
 
 GRID_IMAGES = 32  # evaluation images kept for grids (the rest are dropped after scoring)
 
@@ -24,12 +31,13 @@ def evaluate(tr: Trainer, step: int, final: bool = False) -> dict:
     over it: the same images (prompts and initial noise) sampled by the base, once per image
     count. ``final``: `final_eval_images` images, kept in ``tr.final_evals`` for the summary."""
     cfg, out = tr.cfg, {}
-    count = cfg.final_eval_images if final else cfg.eval_images
+    count = eval_image_count(cfg.final_eval_images if final else cfg.eval_images,
+                             tr.info.world_size)
     prompts = [tr.eval_prompts[i % len(tr.eval_prompts)] for i in range(count)]
     settings = dict(reward=tr.reward_fn, fidelity=tr.fidelity_fn, seed=cfg.seed + 1,
                     cfg_scale=tr.cfg_scale, batch_size=cfg.rollout_batch_size)
     if tr.base_policy is not None and count not in tr.base_evals:
-        base = evaluate_policy(tr.base_policy, prompts, **settings)
+        base = evaluate_split(tr.info, tr.base_policy, prompts, **settings)
         tr.base_evals[count] = dataclasses.replace(base, images=base.images[:GRID_IMAGES])
     base_eval = tr.base_evals.get(count)
     if tr.ema is not None:
@@ -40,8 +48,8 @@ def evaluate(tr: Trainer, step: int, final: bool = False) -> dict:
             runs.append(("eval_hybrid", tr.base_policy, cfg.eval_hybrid_steps))
         for name, base, k in runs:
             # The model's own sampling defaults, as `python -m chunk_grpo.evaluate` uses them.
-            res = evaluate_policy(tr.policy, prompts, hybrid_base=base, hybrid_steps=k,
-                                  **settings)
+            res = evaluate_split(tr.info, tr.policy, prompts, hybrid_base=base,
+                                 hybrid_steps=k, **settings)
             out[f"{name}/reward_mean"] = res.reward_mean
             out[f"{name}/reward_ci95"] = res.reward_ci95
             out.update({f"{name}/{key}": value for key, value in res.attributes.items()})
@@ -61,6 +69,34 @@ def evaluate(tr: Trainer, step: int, final: bool = False) -> dict:
     return out
 
 
+def eval_image_count(images: int, world_size: int) -> int:
+    """Images an evaluation samples: ``images``, rounded up to a multiple of the world size so
+    that every rank samples as many (under FSDP each forward is a collective of all ranks)."""
+    return math.ceil(images / world_size) * world_size
+
+
+def evaluate_split(info: D.DistInfo, policy, prompts: list[str], **settings) -> EvalResult:
+    """`evaluate_policy` split across the ranks: rank r samples and scores its contiguous slice
+    of ``prompts`` (the same count on every rank) with the noise of its global image indices,
+    and the slices are gathered, so N ranks give the result one process gives. Each rank keeps
+    its own share of the first `GRID_IMAGES` images for the grids."""
+    if info.world_size == 1:
+        return evaluate_policy(policy, prompts, **settings)
+    per = len(prompts) // info.world_size  # `eval_image_count` made it a multiple
+    start = info.rank * per
+    part = evaluate_policy(policy, prompts[start:start + per], index_offset=start, **settings)
+    rewards = D.all_gather_cat(part.rewards.to(info.device), info).cpu()
+    shares = [None] * info.world_size
+    dist.all_gather_object(shares, (part.attributes, part.sampling_seconds,
+                                    part.images[:max(0, GRID_IMAGES - start)]))
+    attributes = {key: float(torch.tensor([a[key] for a, _, _ in shares]).nanmean())
+                  for key in part.attributes}  # equal counts: the mean of the ranks' means
+    mean, ci = mean_ci95(rewards)
+    return EvalResult(mean, ci, len(prompts), rewards, list(prompts),
+                      torch.cat([images for _, _, images in shares]), attributes,
+                      max(seconds for _, seconds, _ in shares), part.images_per_prompt)
+
+
 def finish_summary(tr: Trainer, iterations: int, minutes: float, model_dir: Path | None) -> str:
     """The run's closing screen (before -> after on the final evaluation), saved in the run
     directory with a before/after grid."""
@@ -77,14 +113,21 @@ def finish_summary(tr: Trainer, iterations: int, minutes: float, model_dir: Path
 
 
 def export_final(tr: Trainer) -> Path:
-    """final_model/: a diffusers directory (EMA weights if enabled, LoRA merged)."""
+    """final_model/: a diffusers directory (EMA weights if enabled, LoRA merged), the
+    transformer in bf16 where the frozen weights are bf16 (CUDA by default), else fp32. Every
+    rank calls this: a sharded transformer is gathered onto rank 0's CPU, which writes."""
     if not tr.policy.has_text_encoders:  # freed after caching: the export needs them
         tr.policy.reload_text_encoders("cpu")
     if tr.ema is not None:
         tr.ema.swap()
+    dtype = resolve_weights_dtype(tr.cfg.weights_dtype, tr.info.device)
+    out = tr.run_dir / "final_model"
     try:
-        return export_pipeline(tr.policy.pipeline, tr.policy.transformer,
-                               tr.run_dir / "final_model", defaults=tr.policy.defaults)
+        if tr.info.world_size > 1:
+            return export_full_model(tr.policy.pipeline, tr.module, out,
+                                     defaults=tr.policy.defaults, dtype=dtype)
+        return export_pipeline(tr.policy.pipeline, tr.policy.transformer, out,
+                               defaults=tr.policy.defaults, dtype=dtype)
     finally:
         if tr.ema is not None:
             tr.ema.swap()

@@ -18,17 +18,23 @@ from chunk_grpo import distributed as D
 from chunk_grpo.chunking import ChunkLayout, parse_chunk_spec
 from chunk_grpo.config import ConfigError, TrainConfig
 from chunk_grpo.dynamics import measure_dynamics, propose_chunks, save_profile
-from chunk_grpo.hybrid_base import hybrid_base
+from chunk_grpo.hybrid_base import FrozenTransformerBase, hybrid_base
 from chunk_grpo.metrics import MetricsLogger
 from chunk_grpo.models import EMBEDDED_MODEL, FluxPolicy
 from chunk_grpo.models.sampling_defaults import apply_sampling_size
 from chunk_grpo.optim import EMA, build_lr_scheduler, build_optimizer
+from chunk_grpo.parallelize import (
+    ParallelismError,
+    parallelize_transformer,
+    trainable_parameters,
+)
 from chunk_grpo.policy_setup import (
     load_trainable_state_dict,
     prepare_transformer,
     trainable_state_dict,
 )
 from chunk_grpo.policy_update import LossSettings, optimizer_steps_per_iteration
+from chunk_grpo.precision import resolve_mixed_precision
 from chunk_grpo.prompt_cache import text_encoder_device
 from chunk_grpo.prompts import PromptSet, check_prompts, load_prompt_set
 from chunk_grpo.rewards import build_reward, get_reward
@@ -59,6 +65,7 @@ class Trainer:
     info: D.DistInfo
     run_dir: Path
     policy: FluxPolicy
+    module: torch.nn.Module  # what trains: the transformer, FSDP-sharded or DDP-wrapped
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -225,10 +232,15 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, info: D.DistInfo, *,
     if layout is None:
         layout, curve = resolve_layout(cfg, policy, prompt_sets.train.prompts, run_dir, info)
         chunk_weights = layout.chunk_weights(curve) if curve is not None else None
-    params = prepare_transformer(
+    prepare_transformer(
         policy.transformer, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
         lora_targets=cfg.lora_targets, gradient_checkpointing=cfg.gradient_checkpointing,
         attention_backend=cfg.attention_backend)
+    base = None
+    if cfg.eval_hybrid_steps:  # the base from the policy's own weights, before any step
+        base = hybrid_base(policy, resolve_weights_dtype(cfg.weights_dtype, info.device))
+    module = parallelize_policy(cfg, policy, base, info)
+    params = trainable_parameters(module)  # FSDP replaced them by sharded ones
     optimizer = build_optimizer(params, name=cfg.optimizer, lr=cfg.lr,
                                 betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                                 weight_decay=cfg.weight_decay)
@@ -239,19 +251,39 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, info: D.DistInfo, *,
     if cfg.ema_decay > 0:
         ema = EMA([(n, p) for n, p in policy.transformer.named_parameters() if p.requires_grad],
                   cfg.ema_decay)
-    base = None
-    if cfg.eval_hybrid_steps:  # the base from the policy's own weights, before any step
-        base = hybrid_base(policy, resolve_weights_dtype(cfg.weights_dtype, info.device))
     # On shapes prompts, the shapes world's checks say whether a learned reward's gain kept
     # prompt fidelity (colour, shape, count, position) or came from reward hacking.
     fidelity = get_reward("shapes") if cfg.eval_prompts.startswith("shapes:") else None
-    return Trainer(cfg=cfg, info=info, run_dir=run_dir, policy=policy, params=params,
+    return Trainer(cfg=cfg, info=info, run_dir=run_dir, policy=policy, module=module,
+                   params=params,
                    optimizer=optimizer, scheduler=scheduler, ema=ema, reward_fn=reward_fn,
                    train_prompts=prompt_sets.train.prompts,
                    eval_prompts=prompt_sets.eval.prompts, layout=layout,
                    chunk_weights=chunk_weights,
                    logger=MetricsLogger(run_dir, enabled=info.is_main), base_policy=base,
                    fidelity_fn=fidelity)
+
+
+def parallelize_policy(cfg: TrainConfig, policy: FluxPolicy, base, info: D.DistInfo
+                       ) -> torch.nn.Module:
+    """Spread the policy's transformer over the job's ranks (`chunk_grpo.parallelize`: FSDP2 per
+    block, or DDP; nothing on one process) and return the module that trains. FSDP computes in
+    bf16 when the run's mixed precision is bf16; a full-fine-tuning hybrid base (a frozen copy)
+    is sharded the same way."""
+    bf16 = resolve_mixed_precision(cfg.mixed_precision, info.device).mode == "bf16"
+    options = dict(mode=cfg.parallelism, device=info.device, cpu_offload=cfg.cpu_offload,
+                   param_dtype=torch.bfloat16 if bf16 else None)
+    try:
+        module = parallelize_transformer(
+            policy.transformer, activation_checkpointing=cfg.gradient_checkpointing,
+            compile_blocks=cfg.compile_blocks, **options)
+        if isinstance(base, FrozenTransformerBase) and cfg.parallelism == "fsdp":
+            parallelize_transformer(base.base_transformer, **options)
+    except ParallelismError as err:
+        raise ConfigError(str(err)) from None
+    if module is not policy.transformer:  # DDP: the policy calls the wrapper
+        policy.forward_module = module
+    return module
 
 
 # ----------------------------------------------------------------------------- checkpoints

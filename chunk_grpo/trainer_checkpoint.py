@@ -1,0 +1,123 @@
+"""A run's checkpoints, in the format its world size calls for.
+
+One process writes one file (`chunk_grpo.checkpoint`: the trained weights, the optimizer,
+schedule and EMA, atomically, with a manifest). Several ranks write sharded checkpoints
+(`chunk_grpo.sharded_checkpoint`, torch.distributed.checkpoint): every rank its own shards, with
+no gather on rank 0. A sharded checkpoint loads at any world size (DCP reshards); the per-rank
+batch then changes so that the global batch stays (`resume_batch_plan`), which the run prints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from chunk_grpo.checkpoint import (
+    CheckpointError,
+    find_resumable,
+    load_checkpoint,
+    nonfinite_tensors,
+    save_checkpoint,
+)
+from chunk_grpo.config import TrainConfig, build_config
+from chunk_grpo.parallelize import all_finite
+from chunk_grpo.sharded_checkpoint import (
+    is_sharded_checkpoint,
+    load_sharded_checkpoint,
+    read_trainer_state,
+    resume_batch_plan,
+    save_sharded_checkpoint,
+)
+from chunk_grpo.trainer_setup import Trainer, checkpoint_state, restore_state
+
+
+class NonFiniteWeights(RuntimeError):
+    """The trained weights hold NaN/Inf; the message names one (they are not saved)."""
+
+
+def _run_state(tr: Trainer, bad_streak: int) -> dict:
+    """What a sharded checkpoint keeps besides the shards (rank 0's small state)."""
+    return {"scheduler": tr.scheduler.state_dict(), "bad_streak": bad_streak,
+            "chunk_layout": list(tr.layout.sizes), "chunk_weights": tr.chunk_weights,
+            "config": tr.cfg.to_dict(), "ema_decay": tr.ema.decay if tr.ema else None}
+
+
+def _ema_tensors(tr: Trainer) -> dict[str, torch.Tensor] | None:
+    return None if tr.ema is None else {f"ema.{k}": v for k, v in tr.ema.shadow.items()}
+
+
+def save_run_checkpoint(tr: Trainer, step: int, bad_streak: int) -> None:
+    """Checkpoint ``step`` (every rank calls this). NaN/Inf weights are never saved: the last
+    checkpoint on disk stays the one to resume (NonFiniteWeights)."""
+    cfg = tr.cfg
+    if tr.info.world_size == 1:
+        state = checkpoint_state(tr, bad_streak)
+        bad = nonfinite_tensors(state["model"])
+        if bad:
+            raise NonFiniteWeights(f"{len(bad)} trained tensor(s) (e.g. {bad[0]})")
+        state["world_size"] = 1
+        save_checkpoint(tr.run_dir, step, state, keep=cfg.keep_checkpoints)
+        return
+    if not all_finite(tr.params, tr.info.device):
+        raise NonFiniteWeights("some trained tensor(s)")
+    save_sharded_checkpoint(tr.run_dir, step, tr.module, tr.optimizer, _run_state(tr, bad_streak),
+                            extra=_ema_tensors(tr), keep=cfg.keep_checkpoints)
+
+
+@dataclass
+class Resume:
+    """A run's newest intact checkpoint, read before its trainer is built."""
+
+    path: Path
+    step: int
+    bad_streak: int
+    layout: tuple[int, ...]
+    chunk_weights: torch.Tensor | None
+    state: dict  # the whole single-file state, or a sharded checkpoint's trainer.pt
+
+    @property
+    def sharded(self) -> bool:
+        return is_sharded_checkpoint(self.path)
+
+
+def find_run_checkpoint(run_dir: Path) -> Resume:
+    """The newest intact checkpoint of ``run_dir`` (either format); restores the RNG state of a
+    single-file one, as an uninterrupted run would have it."""
+    path = find_resumable(run_dir)
+    state = read_trainer_state(path) if is_sharded_checkpoint(path) else load_checkpoint(path)
+    return Resume(path=path, step=state["step"], bad_streak=state["bad_streak"],
+                  layout=tuple(state["chunk_layout"]), chunk_weights=state["chunk_weights"],
+                  state=state)
+
+
+def config_for_world(cfg: TrainConfig, resume: Resume, world_size: int) -> tuple[TrainConfig,
+                                                                                 str | None]:
+    """The config to resume with at ``world_size``: the per-rank prompts and grad_accum that
+    keep the checkpoint's global batch (or the prompts_per_step given on resume), and the line
+    that says what changed (None: nothing). A batch that cannot be split is a WorldSizeError."""
+    saved_cfg = build_config(None, resume.state["config"])
+    saved_world = resume.state.get("world_size", 1)
+    asked = cfg.prompts_per_step if cfg.prompts_per_step != saved_cfg.prompts_per_step else None
+    plan = resume_batch_plan(saved_world_size=saved_world,
+                             saved_prompts_per_step=saved_cfg.prompts_per_step,
+                             saved_grad_accum=saved_cfg.grad_accum, world_size=world_size,
+                             requested_prompts_per_step=asked)
+    changed = cfg.with_changes({"sampling.prompts_per_step": plan.prompts_per_step,
+                                "optim.grad_accum": plan.grad_accum}).validate()
+    return changed, plan.message
+
+
+def restore_run(tr: Trainer, resume: Resume) -> None:
+    """Load ``resume`` into a freshly built trainer (every rank calls this)."""
+    if resume.sharded:
+        load_sharded_checkpoint(resume.path, tr.module, tr.optimizer, extra=_ema_tensors(tr),
+                                restore_rng=True)
+        tr.scheduler.load_state_dict(resume.state["scheduler"])
+        return
+    if tr.info.world_size > 1 and tr.cfg.parallelism == "fsdp":
+        raise CheckpointError(f"{resume.path} was written by one process; resume it on one "
+                              f"process or with parallelism: ddp (a sharded checkpoint, written "
+                              f"by a multi-rank run, resumes at any world size)")
+    restore_state(tr, resume.state)
