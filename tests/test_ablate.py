@@ -94,6 +94,7 @@ def test_bad_input_is_a_one_line_error(tmp_path, capsys, argv, message):
     assert not (tmp_path / "out" / "cells").exists()  # refused before anything ran
 
 
+@pytest.mark.slow  # its fixture runs a whole small ablation (~10 s)
 def test_table_curves_and_results(finished):
     out, table = finished
     assert (out / "table.md").read_text() == table

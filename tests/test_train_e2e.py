@@ -85,6 +85,7 @@ def test_cli_two_steps_auto_chunks_and_export(tmp_path):
     assert result.n == 4 and 0.0 <= result.reward_mean <= 1.0
 
 
+@pytest.mark.slow  # two CLI processes (train, then resume): ~50 s on a loaded 2-core CPU
 def test_cli_trains_on_a_users_reward_module_and_resumes_with_it(tmp_path, monkeypatch):
     (tmp_path / "user_rewards_e2e.py").write_text(
         "from chunk_grpo.rewards import register_reward\n\n\n"
