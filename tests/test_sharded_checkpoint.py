@@ -57,10 +57,11 @@ def save_on_two_ranks(rank, world, tmp, run_dir):
 
 
 def resume_on_two_ranks(rank, world, tmp, run_dir):
-    """Fresh models (another seed) loading the checkpoint under FSDP and under DDP."""
+    """Fresh models loading the checkpoint under FSDP and under DDP. Their adapters start from
+    the untrained initialisation; the frozen base is the saved run's (as from the model files)."""
     loaded = {}
     for mode in ("fsdp", "ddp"):
-        model = build_transformer(True, seed=1)
+        model = build_transformer(True)
         call = parallelize_transformer(model, mode=mode, device="cpu", param_dtype=None)
         optimizer = make_optimizer(trainable_parameters(call))
         trainer = load_sharded_checkpoint(run_dir, call, optimizer)
