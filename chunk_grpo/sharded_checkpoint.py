@@ -15,6 +15,7 @@ The final model is gathered once, onto rank 0's CPU, by `export_full_model`.
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import os
 import shutil
@@ -126,7 +127,7 @@ def save_sharded_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Modu
             shutil.rmtree(tmp)
     problem = _broadcast(problem)
     if problem is not None:
-        raise DiskFullError(28, problem)  # ENOSPC on every rank, the previous checkpoint kept
+        raise DiskFullError(errno.ENOSPC, problem)  # on every rank; the previous one is kept
     try:
         dcp.save(state, checkpoint_id=tmp / SHARDS)
         if _rank() == 0:

@@ -57,10 +57,11 @@ def save_on_two_ranks(rank, world, tmp, run_dir):
 
 
 def resume_on_two_ranks(rank, world, tmp, run_dir):
-    """Fresh models (another seed) loading the checkpoint under FSDP and under DDP."""
+    """Fresh models loading the checkpoint under FSDP and under DDP. Their adapters start from
+    the untrained initialisation; the frozen base is the saved run's (as from the model files)."""
     loaded = {}
     for mode in ("fsdp", "ddp"):
-        model = build_transformer(True, seed=1)
+        model = build_transformer(True)
         call = parallelize_transformer(model, mode=mode, device="cpu", param_dtype=None)
         optimizer = make_optimizer(trainable_parameters(call))
         trainer = load_sharded_checkpoint(run_dir, call, optimizer)
@@ -203,8 +204,13 @@ def test_one_process_save_and_a_full_disk_keeps_the_previous(tmp_path, monkeypat
     params = trainable_parameters(model)
     optimizer = make_optimizer(params)
     train(model, params, 0, 1, optimizer=optimizer, steps=range(1))
-    first = save_sharded_checkpoint(tmp_path, 1, model, optimizer, {"n": 1})
+    shadow = {"w": torch.arange(6.0).view(2, 3)}  # e.g. EMA weights, saved like the model's
+    first = save_sharded_checkpoint(tmp_path, 1, model, optimizer, {"n": 1},
+                                    extra={"ema": shadow})
     assert read_trainer_state(tmp_path)["world_size"] == 1
+    restored = {"w": torch.zeros(2, 3)}
+    assert load_sharded_checkpoint(tmp_path, model, optimizer, extra={"ema": restored})["n"] == 1
+    assert torch.equal(restored["w"], shadow["w"])
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1000))
     with pytest.raises(DiskFullError, match="needs about .* the previous checkpoint .* is kept"):
