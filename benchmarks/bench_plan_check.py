@@ -137,7 +137,7 @@ def main() -> None:
         plan = plan_for_config(cfg, 1, 24 * GB)
         plan_seconds = time.perf_counter() - start
         print(format_plan(plan))
-        rows = 2 * cfg.micro_batch_size  # the largest chunk (2) x the micro-batch
+        rows = 2 * cfg.optim.micro_batch_size  # the largest chunk (2) x the micro-batch
         command = [sys.executable, __file__, "--child", str(model_dir), "--rows", str(rows)]
         if args.gradient_checkpointing:
             command.append("--gradient-checkpointing")

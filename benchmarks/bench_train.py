@@ -151,8 +151,9 @@ def _model(root: Path) -> Path:
 
 
 def _trainer(model: Path, root: Path):
-    cfg = TrainConfig(model=str(model), output_dir=str(root / "run"), progress=False,
-                      image_grid_every=0).validate()
+    cfg = TrainConfig().with_changes({
+        "model.name": str(model), "run.output_dir": str(root / "run"), "run.progress": False,
+        "run.image_grid_every": 0}).validate()
     return build_trainer(cfg, root / "run", D.DistInfo())
 
 
@@ -181,23 +182,25 @@ def _dance_layout(tr, step: int) -> dict:
     The same sampling work as the config (shared group noise, SDE window, autocast
     precision), so the ratio measures the layout alone."""
     cfg, policy, times = tr.cfg, tr.policy, {}
-    prompts = D.sample_prompts(tr.train_prompts, cfg.prompts_per_step, seed=cfg.seed,
+    prompts = D.sample_prompts(tr.train_prompts, cfg.sampling.prompts_per_step, seed=cfg.run.seed,
                                step=step, info=tr.info)
-    sigmas = flux_sigmas(cfg.num_steps, tr.shift)
+    sigmas = flux_sigmas(cfg.sampling.steps, tr.shift)
     gen = torch.Generator().manual_seed(step)
-    kw = dict(eta=cfg.eta, kind=cfg.sde_kind, sigma_max=float(sigmas[1]), backend="reference")
+    kw = dict(eta=cfg.sampling.eta, kind=cfg.sampling.sde, sigma_max=float(sigmas[1]),
+              backend="reference")
     t0 = time.perf_counter()
     latents, images, rows_prompt, embeds = [], [], [], []
-    window = sde_steps(cfg.num_steps, cfg.sde_window)  # steps t < window are SDE steps
+    # steps t < window are SDE steps
+    window = sde_steps(cfg.sampling.steps, cfg.sampling.sde_window)
     with torch.no_grad():
         for p in prompts:
             emb = policy.encode_prompts([p])
-            shared = policy.initial_noise(1, gen).float() if cfg.shared_noise else None
-            for _ in range(cfg.group_size):
+            shared = policy.initial_noise(1, gen).float() if cfg.sampling.shared_noise else None
+            for _ in range(cfg.sampling.group_size):
                 x = shared if shared is not None else policy.initial_noise(1, gen).float()
                 traj = [x]
-                for t in range(cfg.num_steps):
-                    with autocast_context(x.device, cfg.mixed_precision):
+                for t in range(cfg.sampling.steps):
+                    with autocast_context(x.device, cfg.model.mixed_precision):
                         v = policy.velocity(x, sigmas[t:t + 1], emb, cfg_scale=tr.cfg_scale)
                     if t < window:
                         noise = torch.randn(x.shape, generator=gen)
@@ -214,28 +217,28 @@ def _dance_layout(tr, step: int) -> dict:
     t0 = time.perf_counter()
     rewards = tr.reward_fn(torch.cat(images), rows_prompt).float()
     times["reward"] = time.perf_counter() - t0
-    adv = group_advantages(rewards, cfg.group_size, norm=cfg.adv_norm, eps=cfg.adv_eps,
-                           clip_max=cfg.adv_clip_max)
+    adv = group_advantages(rewards, cfg.sampling.group_size, norm=cfg.loss.adv_norm,
+                           eps=cfg.loss.adv_eps, clip_max=cfg.loss.adv_clip_max)
     t0 = time.perf_counter()
     # The same timesteps the chunked iteration trains at this step (same selection stream).
-    chunks = select_chunks(tr.layout.num_chunks, cfg.chunk_fraction,
-                           weights=tr.chunk_weights if cfg.weighted_chunks else None,
-                           generator=D.step_generator(cfg.seed, step, 0, "chunks"))
+    chunks = select_chunks(tr.layout.num_chunks, cfg.chunks.fraction,
+                           weights=tr.chunk_weights if cfg.chunks.weighted else None,
+                           generator=D.step_generator(cfg.run.seed, step, 0, "chunks"))
     steps = [t for j in chunks for t in tr.layout.steps(j)]
     n_calls = len(latents) * len(steps)
     tr.optimizer.zero_grad(set_to_none=True)
     for i, traj in enumerate(latents):
         for t in steps:
             x, x_next = traj[t:t + 1], traj[t + 1:t + 2]
-            with autocast_context(x.device, cfg.mixed_precision):
+            with autocast_context(x.device, cfg.model.mixed_precision):
                 v = policy.velocity(x, sigmas[t:t + 1], embeds[i], cfg_scale=tr.cfg_scale)
             logp = grpo_kernels.sde_step_logprob(x, v.float(), x_next, sigmas[t], sigmas[t + 1],
                                                  **kw)
             loss, _ = grpo_kernels.chunk_grpo_loss(
                 logp.view(1, 1), logp.detach().view(1, 1), adv[i:i + 1], [1],
-                clip_low=cfg.clip_low, clip_high=cfg.clip_high, backend="reference")
+                clip_low=cfg.loss.clip_low, clip_high=cfg.loss.clip_high, backend="reference")
             (loss / n_calls).backward()
-    torch.nn.utils.clip_grad_norm_(tr.params, cfg.max_grad_norm)
+    torch.nn.utils.clip_grad_norm_(tr.params, cfg.optim.max_grad_norm)
     tr.optimizer.step()
     tr.optimizer.zero_grad(set_to_none=True)
     times["train"] = time.perf_counter() - t0
@@ -302,7 +305,8 @@ def test_speedup_at_least_3x():
         print(f"  {phase}: {dance[phase]:.2f} s -> {ours[phase]:.2f} s")
     print(f"  inside the models' own calls: {ours['model_share']:.1%} of ours "
           f"({ours['model_s']:.2f} s), {dance['model_share']:.1%} of the Dance-GRPO layout's; "
-          f"precision {resolve_mixed_precision(TrainConfig().mixed_precision, 'cpu').mode} on "
+          f"precision {resolve_mixed_precision(TrainConfig().model.mixed_precision, 'cpu').mode} "
+          f"on "
           f"{torch.backends.cpu.get_cpu_capability()}")
     assert ratio >= 3.0
 
@@ -330,15 +334,16 @@ def _sample_and_score(tr, step: int) -> dict:
 @pytest.mark.parametrize("reward", ["bench_sleepy", "shapes"])
 def test_reward_overlap(benchmark, model_dir, tmp_path, reward):
     # The default config at half the prompts, in 4 rollout batches of 8 rows.
-    cfg = TrainConfig(model=str(model_dir), output_dir=str(tmp_path / "run"), progress=False,
-                      image_grid_every=0, reward=reward, prompts_per_step=4,
-                      rollout_batch_size=8, chunks="3").validate()
+    cfg = TrainConfig().with_changes({
+        "model.name": str(model_dir), "run.output_dir": str(tmp_path / "run"),
+        "run.progress": False, "run.image_grid_every": 0, "reward.name": reward,
+        "sampling.prompts_per_step": 4, "sampling.batch_size": 8, "chunks.spec": "3"}).validate()
     tr = build_trainer(cfg, tmp_path / "run", D.DistInfo())
     _sample_and_score(tr, 0)  # warm-up
     out = {}
-    tr.cfg.reward_overlap = False
+    tr.cfg.reward.overlap = False
     out[False] = _sample_and_score(tr, 1)
-    tr.cfg.reward_overlap = True
+    tr.cfg.reward.overlap = True
     benchmark.pedantic(lambda: out.update({True: _sample_and_score(tr, 2)}), rounds=1,
                        iterations=1)
     off, on = out[False], out[True]

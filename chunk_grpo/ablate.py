@@ -20,7 +20,6 @@ seeds) and OUT/ablation.json (the settings; a rerun with other settings is refus
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -170,24 +169,25 @@ def cell_config(base: dict[str, Any], cell: Cell, seed: int, minutes: float) -> 
         cfg = build_config(None, values)
     except ConfigError as err:
         raise ConfigError(f"cell {cell.name}: {err}") from None
-    size = cfg.chunk_size or 1
+    size = cfg.chunks.size or 1
     if size > cfg.num_trained:
         raise ConfigError(
             f"cell {cell.name}: chunk size {size} exceeds the {cfg.num_trained} trained "
-            f"transitions (num_steps {cfg.num_steps}, sde_window {cfg.sde_window}); use "
+            f"transitions (num_steps {cfg.sampling.steps}, sde_window "
+            f"{cfg.sampling.sde_window}); use "
             f"--sde-window 0 (every step) or a larger one, or leave the cell out with --cells")
     return cfg
 
 
 def describe_chunks(cfg: TrainConfig, layouts: list[list[int]]) -> str:
     """The chunk column: the layout(s) the runs trained (auto may differ between seeds)."""
-    if cfg.algorithm == "g2rpo":
+    if cfg.sampling.algorithm == "g2rpo":
         return (f"1 branch step of {cfg.num_trained}, finishes at strides "
-                f"{cfg.g2rpo_granularities}")
+                f"{cfg.sampling.g2rpo_granularities}")
     shown = " / ".join(dict.fromkeys("[" + ",".join(map(str, s)) + "]" for s in layouts))
-    if cfg.chunk_fraction < 1:
-        how = "weighted" if cfg.weighted_chunks else "uniform"
-        shown += f", {cfg.chunk_fraction:g} of them per iteration ({how})"
+    if cfg.chunks.fraction < 1:
+        how = "weighted" if cfg.chunks.weighted else "uniform"
+        shown += f", {cfg.chunks.fraction:g} of them per iteration ({how})"
     return shown
 
 
@@ -195,14 +195,14 @@ def describe_chunks(cfg: TrainConfig, layouts: list[list[int]]) -> str:
 
 def eval_prompts(cfg: TrainConfig, count: int) -> list[str]:
     """The first ``count`` held-out prompts (cycled), as the trainer's evaluation takes them."""
-    prompts = load_prompts(cfg.eval_prompts)
+    prompts = load_prompts(cfg.data.eval_prompts)
     return [prompts[i % len(prompts)] for i in range(count)]
 
 
 def shapes_accuracies(result, cfg: TrainConfig) -> dict[str, float]:
     """The `shapes` reward's per-attribute accuracies of an evaluation, when its prompts are
     shapes prompts (whatever the trained reward); empty otherwise."""
-    if not cfg.eval_prompts.startswith("shapes:"):
+    if not cfg.data.eval_prompts.startswith("shapes:"):
         return {}
     attrs = result.attributes
     if "colour_acc" not in attrs:
@@ -218,8 +218,8 @@ def evaluate_model(policy, cfg: TrainConfig, count: int, noise_seed: int, reward
     """Held-out ``reward`` of every image (ODE, the model's sampling defaults) and the shapes
     accuracies; the same (prompts, noise_seed) give the same initial noise for every model."""
     res = evaluate_policy(policy, eval_prompts(cfg, count), reward=reward,
-                          seed=noise_seed, cfg_scale=cfg.cfg_scale,
-                          batch_size=cfg.rollout_batch_size)
+                          seed=noise_seed, cfg_scale=cfg.sampling.cfg_scale,
+                          batch_size=cfg.sampling.batch_size)
     return {"reward_mean": res.reward_mean, "rewards": res.rewards.tolist(),
             "shapes": shapes_accuracies(res, cfg)}
 
@@ -288,10 +288,10 @@ def train_resumably(cfg: TrainConfig, run_dir: Path, on_step_end=None) -> dict:
         if records and "eval/reward_mean" in records[-1]:
             # The checkpoint is the run's last iteration (the trainer evaluates only at the end):
             # it was stopped while exporting. Export without training further.
-            cfg = dataclasses.replace(cfg, max_steps=step)
-        elif cfg.max_minutes > 0:
+            cfg = cfg.with_changes({"run.max_steps": step})
+        elif cfg.run.max_minutes > 0:
             # Stopped just as the budget ran out: a tiny budget trains one more iteration.
-            cfg = dataclasses.replace(cfg, max_minutes=max(cfg.max_minutes - used / 60, 1e-6))
+            cfg = cfg.with_changes({"run.max_minutes": max(cfg.run.max_minutes - used / 60, 1e-6)})
         clock = _TrainingClock(run_dir, used, elapsed, on_step_end)
         train_run(cfg, run_dir=run_dir, resume=True, on_step_end=clock)
     steps = sorted(int(s) for s in clock.elapsed)
@@ -366,21 +366,23 @@ def table_header(base_cfg: TrainConfig, seeds: list[int], minutes: float, count:
                  eval_seed: int) -> list[str]:
     budget = (f"{minutes:g} minutes of training wall time per run (the trainer's max_minutes; "
               f"the iteration under way when it runs out finishes)" if minutes > 0
-              else f"{base_cfg.max_steps} iterations per run")
+              else f"{base_cfg.run.max_steps} iterations per run")
     window = (f"every step stochastic (sde_window 0, the paper's setting and the ablation's "
               f"default; the trainer's own default trains only the first "
-              f"{TrainConfig().sde_window} transitions)" if base_cfg.sde_window == 0
-              else f"sde_window {base_cfg.sde_window}")
+              f"{TrainConfig().sampling.sde_window} transitions)"
+              if base_cfg.sampling.sde_window == 0
+              else f"sde_window {base_cfg.sampling.sde_window}")
     return [
         "# Chunk ablation (toy-scale Table 3)",
         "",
         f"Model {base_cfg.model.name}, reward {base_cfg.reward.name}, "
-        f"{base_cfg.num_steps} sampling steps, "
+        f"{base_cfg.sampling.steps} sampling steps, "
         f"{window}: {base_cfg.num_trained} trained transitions; "
-        f"{base_cfg.prompts_per_step} prompts x {base_cfg.group_size} images per iteration.",
+        f"{base_cfg.sampling.prompts_per_step} prompts x {base_cfg.sampling.group_size} images "
+        f"per iteration.",
         f"Equal compute: {budget}. Seeds {','.join(map(str, seeds))}; 's' is the mean training "
         f"time per run, 'iterations' those of each seed.",
-        f"Held-out gain: {count} images of {base_cfg.eval_prompts} (ODE, the model's sampling "
+        f"Held-out gain: {count} images of {base_cfg.data.eval_prompts} (ODE, the model's sampling "
         f"defaults) minus the base model's on the same prompts and initial noise (noise seed "
         f"{eval_seed} + training seed); the mean over seeds of each run's mean paired gain, "
         f"with a 95% Student-t interval over the seeds. colour/shape/count/position: the "
@@ -443,7 +445,7 @@ def run_ablation(out: Path, cells: list[Cell], seeds: list[int], base: dict[str,
         for seed in seeds[1:]:
             cell_config(base, cell, seed, minutes)
     base_cfg = build_config(None, run_values(base, minutes))
-    info = D.init_distributed(base_cfg.device)
+    info = D.init_distributed(base_cfg.run.device)
     if info.world_size > 1:
         raise ConfigError("the ablation runs in one process; start it without torchrun")
     check_settings(out, {"base": base_cfg.to_dict(), "minutes": minutes, "eval_images": count,

@@ -265,50 +265,12 @@ class TrainConfig:
         """{section: {key: value}}: the form config.yaml is saved in."""
         return dataclasses.asdict(self)
 
-    # >>> TRANSITION SHIM: flat attribute names (cfg.lr, cfg.group_size) resolve through
-    # FLAT_ALIASES until tools/convert_config_access.py has rewritten every call site; then this
-    # block and `_init_accepting_flat_names` below go (the script's --remove-shim does it).
-    # The names of sections (model, reward, chunks) are the sections, not their aliases.
-    def __getattr__(self, name: str) -> Any:
-        path = FLAT_ALIASES.get(name)
-        section = self.__dict__.get(path.split(".")[0]) if path else None
-        if section is None:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return getattr(section, path.split(".")[1])
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in FLAT_ALIASES and name not in SECTIONS:
-            section, leaf = FLAT_ALIASES[name].split(".")
-            setattr(getattr(self, section), leaf, value)
-        else:
-            object.__setattr__(self, name, value)
-    # <<< TRANSITION SHIM
-
 
 SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(TrainConfig)[f.name]
                              for f in dataclasses.fields(TrainConfig)}
 _HINTS: dict[str, Any] = {f"{section}.{name}": hint for section, cls in SECTIONS.items()
                           for name, hint in typing.get_type_hints(cls).items()}
 PATHS: tuple[str, ...] = tuple(_HINTS)
-
-
-# >>> TRANSITION SHIM: TrainConfig(lr=...) and dataclasses.replace(cfg, lr=...) with flat names;
-# a plain value for a section's own name (model="dir") is its alias (model.name), on a copy.
-_DATACLASS_INIT = TrainConfig.__init__
-
-
-def _init_accepting_flat_names(self: TrainConfig, **values: Any) -> None:
-    flat = {FLAT_ALIASES[key]: values.pop(key) for key in list(values)
-            if key in FLAT_ALIASES and not isinstance(values[key], SECTIONS.get(key, ()))}
-    _DATACLASS_INIT(self, **values)
-    for path, value in flat.items():
-        section, leaf = path.split(".")
-        object.__setattr__(self, section, dataclasses.replace(getattr(self, section),
-                                                              **{leaf: value}))
-
-
-TrainConfig.__init__ = _init_accepting_flat_names  # type: ignore[method-assign]
-# <<< TRANSITION SHIM
 
 
 # ----------------------------------------------------------------------------- keys and values

@@ -91,8 +91,8 @@ def iteration_gradients(tr: Trainer, steps: list[int], progress: bool = True,
     # Every chunk, each unit its own boundary: changes only what is trained, not the rollouts.
     settings = dataclasses.replace(tr.loss_settings, grad_accum=1) if per_chunk \
         else tr.loss_settings
-    cfg = dataclasses.replace(tr.cfg, chunk_fraction=1.0, image_grid_every=0) if per_chunk \
-        else dataclasses.replace(tr.cfg, image_grid_every=0)
+    cfg = tr.cfg.with_changes({"chunks.fraction": 1.0, "run.image_grid_every": 0}) if per_chunk \
+        else tr.cfg.with_changes({"run.image_grid_every": 0})
     saved_cfg, tr.cfg = tr.cfg, cfg
     grads: list[list[torch.Tensor]] = [[] for _ in range(period)]
     rewards = []
@@ -136,17 +136,17 @@ def measure(cfg: TrainConfig, iterations: int = 16, first_step: int = 0,
             progress: bool = True, per_chunk: bool = False) -> dict:
     """Build the trainer for ``cfg`` (in a scratch directory) and measure its gradient SNR;
     ``per_chunk`` adds {"chunks": {j: statistics of chunk j's gradient, with its "steps"}}."""
-    if per_chunk and cfg.algorithm == "g2rpo":
+    if per_chunk and cfg.sampling.algorithm == "g2rpo":
         raise ConfigError("--per-chunk trains every chunk of each iteration, but G2RPO trains "
                           "one branch step per iteration; measure it without --per-chunk")
     if iterations < 3:
         raise ConfigError(f"--iterations must be >= 3 (pairs of independent gradients), "
                           f"got {iterations}")
-    info = D.init_distributed(cfg.device)
+    info = D.init_distributed(cfg.run.device)
     if info.world_size > 1:
         raise ConfigError("gradient_snr runs in one process; start it without torchrun")
     with tempfile.TemporaryDirectory() as scratch:
-        cfg = dataclasses.replace(cfg, eval_hybrid_steps=0)  # no frozen base copy needed
+        cfg = cfg.with_changes({"eval.hybrid_steps": 0})  # no frozen base copy needed
         tr = build_trainer(cfg, Path(scratch), info)
         start = time.perf_counter()
         grads, rewards = iteration_gradients(
@@ -161,7 +161,7 @@ def measure(cfg: TrainConfig, iterations: int = 16, first_step: int = 0,
                            for j, g in grads.items()}
     else:
         stats = snr_statistics(grads)
-    stats.update(images_per_iteration=cfg.prompts_per_step * cfg.group_size,
+    stats.update(images_per_iteration=cfg.sampling.prompts_per_step * cfg.sampling.group_size,
                  reward_mean=sum(rewards) / len(rewards), seconds_per_iteration=seconds)
     return stats
 
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     if resume:
         raise ConfigError("gradient_snr measures a config; --resume is not supported")
     cfg = build_config(yaml_path, overrides)
-    stats = measure(cfg, args.iterations, args.first_step, progress=cfg.progress,
+    stats = measure(cfg, args.iterations, args.first_step, progress=cfg.run.progress,
                     per_chunk=args.per_chunk)
     print(summary(stats), flush=True)
     if args.json:

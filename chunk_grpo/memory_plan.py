@@ -185,10 +185,10 @@ def _resolved_size(cfg: TrainConfig) -> tuple[int, int, int]:
     local = Path(str(EMBEDDED_MODEL_DIR) if name == "embedded" else name).expanduser()
     found = local.is_dir() and (local / CONFIG_NAME).is_file()
     defaults = SamplingDefaults.load(local) if found else SamplingDefaults()
-    if (cfg.height is None or cfg.width is None) and not found:
+    if (cfg.model.height is None or cfg.model.width is None) and not found:
         raise ConfigError(f"model {name} has no {CONFIG_NAME}, so the plan needs the image "
                           f"size: set height and width (e.g. --height 720 --width 720)")
-    return (cfg.height or defaults.height, cfg.width or defaults.width,
+    return (cfg.model.height or defaults.height, cfg.model.width or defaults.width,
             defaults.max_sequence_length)
 
 
@@ -197,12 +197,12 @@ def _steps_per_call(cfg: TrainConfig) -> int:
     for the iteration in one call, so: the largest ``round(fraction x K)`` chunks together
     (G2RPO: its one step; ``auto``, whose layout is measured at start: every trained step, a
     bound)."""
-    if cfg.algorithm == "g2rpo":
+    if cfg.sampling.algorithm == "g2rpo":
         return 1
-    layout = parse_chunk_spec(cfg.chunks.spec, cfg.num_trained, cfg.chunk_size)
+    layout = parse_chunk_spec(cfg.chunks.spec, cfg.num_trained, cfg.chunks.size)
     if layout is None:
         return cfg.num_trained
-    drawn = max(1, min(layout.num_chunks, round(cfg.chunk_fraction * layout.num_chunks)))
+    drawn = max(1, min(layout.num_chunks, round(cfg.chunks.fraction * layout.num_chunks)))
     return sum(sorted(layout.sizes, reverse=True)[:drawn])
 
 
@@ -213,28 +213,29 @@ def settings_from_config(cfg: TrainConfig, world_size: int, device: str | None =
     and bf16 frozen weights; on the CPU, what the trainer picks on this machine."""
     from chunk_grpo.precision import resolve_mixed_precision
 
-    device = device or cfg.device
+    device = device or cfg.run.device
     device = "cuda" if device == "auto" else device
     if device == "cuda":
-        compute = "fp32" if cfg.mixed_precision == "no" else "bf16"
+        compute = "fp32" if cfg.model.mixed_precision == "no" else "bf16"
     else:
-        compute = "bf16" if resolve_mixed_precision(cfg.mixed_precision, "cpu").mode == "bf16" \
-            else "fp32"
-    weights = cfg.weights_dtype if cfg.weights_dtype != "auto" else (
+        mode = resolve_mixed_precision(cfg.model.mixed_precision, "cpu").mode
+        compute = "bf16" if mode == "bf16" else "fp32"
+    weights = cfg.model.weights_dtype if cfg.model.weights_dtype != "auto" else (
         "bf16" if device == "cuda" else "fp32")
     height, width, text_tokens = _resolved_size(cfg)
+    rows = cfg.sampling.prompts_per_step * cfg.sampling.group_size
     return PlanSettings(
         model=cfg.model.name, reward=cfg.reward.name, height=height, width=width,
         text_tokens=text_tokens,
-        device=device, world_size=world_size, parallelism=cfg.parallelism,
-        cpu_offload=cfg.cpu_offload, lora_rank=cfg.lora_rank,
-        lora_targets=tuple(cfg.lora_targets), optimizer=cfg.optimizer, compute_dtype=compute,
-        weights_dtype=weights, gradient_checkpointing=cfg.gradient_checkpointing,
-        micro_batch_size=cfg.micro_batch_size, max_chunk=_steps_per_call(cfg),
-        rollout_batch_size=min(cfg.rollout_batch_size, cfg.prompts_per_step * cfg.group_size),
-        rollout_rows=cfg.prompts_per_step * cfg.group_size, num_steps=cfg.num_steps,
-        text_encoders=cfg.text_encoders, hybrid_base=cfg.eval_hybrid_steps > 0,
-        ema=cfg.ema_decay > 0, reward_gb=reward_gb)
+        device=device, world_size=world_size, parallelism=cfg.parallel.mode,
+        cpu_offload=cfg.parallel.cpu_offload, lora_rank=cfg.model.lora_rank,
+        lora_targets=tuple(cfg.model.lora_targets), optimizer=cfg.optim.name, compute_dtype=compute,
+        weights_dtype=weights, gradient_checkpointing=cfg.model.gradient_checkpointing,
+        micro_batch_size=cfg.optim.micro_batch_size, max_chunk=_steps_per_call(cfg),
+        rollout_batch_size=min(cfg.sampling.batch_size, rows),
+        rollout_rows=rows, num_steps=cfg.sampling.steps,
+        text_encoders=cfg.model.text_encoders, hybrid_base=cfg.eval.hybrid_steps > 0,
+        ema=cfg.optim.ema_decay > 0, reward_gb=reward_gb)
 
 
 # ----------------------------------------------------------------------------- sizes

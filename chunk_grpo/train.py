@@ -114,41 +114,43 @@ def collect_batch(tr: Trainer, step: int, timer: _PhaseTimer | None = None, *,
     """Steps 1-5 of an iteration: prompts, rollouts, rewards, advantages and the training units
     (``split_chunks``: one unit per chunk and micro-batch, for per-chunk gradients)."""
     cfg, info = tr.cfg, tr.info
+    sampling, loss, seed = cfg.sampling, cfg.loss, cfg.run.seed
+    g2rpo = sampling.algorithm == "g2rpo"
     timer = timer or _PhaseTimer()
 
     # 1. prompts for this rank
-    prompts = D.sample_prompts(tr.train_prompts, cfg.prompts_per_step, seed=cfg.seed, step=step,
+    prompts = D.sample_prompts(tr.train_prompts, sampling.prompts_per_step, seed=seed, step=step,
                                info=info)
 
     # 2. group rollouts with the SDE sampler (latents and log-probs stored); G2RPO: one branch
     #    step k (a step-level chunk drawn as chunks are), its group finished at several strides
     # Chunks from (seed, step) alone: every rank trains the same chunks, so their work is equal
     # and no rank waits for another at the gradient sync.
-    gen = D.step_generator(cfg.seed, step, 0, "chunks")
-    weights = tr.chunk_weights if cfg.weighted_chunks else None
-    strides = parse_granularities(cfg.g2rpo_granularities) if cfg.algorithm == "g2rpo" else (1,)
+    gen = D.step_generator(seed, step, 0, "chunks")
+    weights = tr.chunk_weights if cfg.chunks.weighted else None
+    strides = parse_granularities(sampling.g2rpo_granularities) if g2rpo else (1,)
     # Noise keyed by global image index: this rank's rows start at rank * P * G.
-    common = dict(group_size=cfg.group_size, num_steps=cfg.num_steps, shift=tr.shift,
-                  kind=cfg.sde_kind, eta=cfg.eta, cfg_scale=tr.cfg_scale, seed=cfg.seed,
-                  step=step, row_offset=info.rank * len(prompts) * cfg.group_size,
-                  batch_size=cfg.rollout_batch_size,
-                  antithetic_noise=cfg.antithetic_noise, decode=cfg.decode,
-                  mixed_precision=cfg.mixed_precision)
-    with RolloutScorer(tr.reward_fn, overlap=cfg.reward_overlap) as scorer:
+    common = dict(group_size=sampling.group_size, num_steps=sampling.steps, shift=tr.shift,
+                  kind=sampling.sde, eta=sampling.eta, cfg_scale=tr.cfg_scale, seed=seed,
+                  step=step, row_offset=info.rank * len(prompts) * sampling.group_size,
+                  batch_size=sampling.batch_size, antithetic_noise=sampling.antithetic_noise,
+                  decode=sampling.decode, mixed_precision=cfg.model.mixed_precision)
+    with RolloutScorer(tr.reward_fn, overlap=cfg.reward.overlap) as scorer:
         with timer("rollout"):
-            if cfg.algorithm == "g2rpo":
+            if g2rpo:
                 chunks = select_chunks(tr.layout.num_chunks, 1 / tr.layout.num_chunks,
                                        weights=weights, generator=gen)
                 rollout, finishes = sample_branch_rollouts(
                     tr.policy, prompts, branch_step=chunks[0], granularities=strides, **common)
             else:  # 3. begins here: each batch is scored while the next is sampled
-                rollout = sample_rollouts(tr.policy, prompts, shared_noise=cfg.shared_noise,
-                                          sde_window=cfg.sde_window, on_batch=scorer, **common)
+                rollout = sample_rollouts(tr.policy, prompts, shared_noise=sampling.shared_noise,
+                                          sde_window=sampling.sde_window, on_batch=scorer,
+                                          **common)
 
         # 3. score the decoded images (every finish): each reward's scores, and the total
         row_prompts = [prompts[i] for i in rollout.prompt_index.tolist()]
         with timer("reward"):
-            if cfg.algorithm == "g2rpo":
+            if g2rpo:
                 components = [scorer.score_now(images, row_prompts) for images in finishes]
             else:
                 components = [scorer.collect()]
@@ -171,29 +173,29 @@ def collect_batch(tr: Trainer, step: int, timer: _PhaseTimer | None = None, *,
         return Batch(rollout, torch.empty(0), [], metrics, finite=False)
     if info.is_main:
         _warn_if_constant(tr, gathered_parts[0], step)
-    if cfg.image_grid_every and step % cfg.image_grid_every == 0 and info.is_main:
+    if cfg.run.image_grid_every and step % cfg.run.image_grid_every == 0 and info.is_main:
         save_image_grid(rollout.images, tr.run_dir / "images" / f"rollout-{step:06d}.png",
-                        reward_captions(row_prompts, scores[0]), columns=cfg.group_size)
+                        reward_captions(row_prompts, scores[0]), columns=sampling.group_size)
 
     # 4. group-relative advantages (G2RPO: summed over the finishes)
-    if cfg.mix_advantage == "per_reward":
+    if cfg.reward.mix_advantage == "per_reward":
         terms = [(tr.reward_fn.weights[label], r, pool[label])
                  for c, pool in zip(components, gathered_parts, strict=True)
                  for label, r in c.items()]
-        advantages = per_reward_advantages(terms, cfg.group_size, norm=cfg.adv_norm,
-                                           eps=cfg.adv_eps, clip_max=cfg.adv_clip_max)
+        advantages = per_reward_advantages(terms, sampling.group_size, norm=loss.adv_norm,
+                                           eps=loss.adv_eps, clip_max=loss.adv_clip_max)
     else:
-        advantages = multi_granularity_advantages(scores, cfg.group_size, norm=cfg.adv_norm,
-                                                  eps=cfg.adv_eps, clip_max=cfg.adv_clip_max,
+        advantages = multi_granularity_advantages(scores, sampling.group_size, norm=loss.adv_norm,
+                                                  eps=loss.adv_eps, clip_max=loss.adv_clip_max,
                                                   all_rewards=gathered)
     metrics.update(adv_mean=float(advantages.mean()), adv_std=float(advantages.std()),
                    adv_abs_max=float(advantages.abs().max()))
 
     # 5. choose chunks (G2RPO: the branch step's), and the micro-batches that train them
-    if cfg.algorithm != "g2rpo":
-        chunks = select_chunks(tr.layout.num_chunks, cfg.chunk_fraction, weights=weights,
+    if not g2rpo:
+        chunks = select_chunks(tr.layout.num_chunks, cfg.chunks.fraction, weights=weights,
                                generator=gen)
-    units = plan_units(chunks, rollout.latents.shape[0], cfg.micro_batch_size, gen,
+    units = plan_units(chunks, rollout.latents.shape[0], cfg.optim.micro_batch_size, gen,
                        split_chunks=split_chunks)
     metrics["chunks_trained"] = ",".join(str(j) for j in chunks)
     return Batch(rollout, advantages.to(info.device), units, metrics)
@@ -205,7 +207,7 @@ def optimizer_step(tr: Trainer, nonfinite: bool, record: UpdateRecord) -> None:
     skip the step when a loss or the gradient is NaN/Inf on any rank (all ranks alike), and
     zero the gradients."""
     nonfinite = any_rank(nonfinite, tr.info.device)
-    norm = clip_grad_norm(tr.params, tr.cfg.max_grad_norm)
+    norm = clip_grad_norm(tr.params, tr.cfg.optim.max_grad_norm)
     if nonfinite or not math.isfinite(norm):
         record.skipped_steps += 1
     else:
@@ -264,7 +266,7 @@ def _warn_if_constant(tr: Trainer, rewards: dict[str, torch.Tensor], step: int) 
     zero, so it gives no learning signal."""
     for c in tr.reward_fn.components:
         if c.label in tr.warned_constant or not constant_within_groups(rewards[c.label],
-                                                                       tr.cfg.group_size):
+                                                                       tr.cfg.sampling.group_size):
             continue
         tr.warned_constant.add(c.label)
         tqdm.write(f"[chunk-grpo] warning: reward {c.name!r} gave the same score to every image "
@@ -288,15 +290,15 @@ def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = F
     # Before the run directory: a bad prompt file, a misspelt or failing reward or a bad model
     # path leaves nothing behind.
     prompt_sets = read_prompt_sets(cfg)
-    info = D.init_distributed(cfg.device)
+    info = D.init_distributed(cfg.run.device)
     reward_fn = resolve_reward(cfg, info.device)
     policy = load_checked_policy(cfg, info.device)
     check_prompt_sets(prompt_sets, policy, reward_fn)
     # text_encoders: cache -> every prompt embedded once (on disk), the encoders freed
-    setup_text_encoders(policy, cfg.text_encoders,
+    setup_text_encoders(policy, cfg.model.text_encoders,
                         [p for _, s in prompt_sets.items() for p in s.prompts],
-                        cfg.prompt_cache_dir, info, progress=cfg.progress)
-    run_dir = Path(run_dir or cfg.output_dir or _default_run_dir())
+                        cfg.model.prompt_cache_dir, info, progress=cfg.run.progress)
+    run_dir = Path(run_dir or cfg.run.output_dir or _default_run_dir())
     lock = RunLock(run_dir)
     if info.is_main:
         if not resume and (run_dir / "checkpoints").exists():
@@ -309,8 +311,8 @@ def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = F
                                                  reward_fn, policy)
         if info.is_main:
             print(f"[chunk-grpo] run dir {run_dir}; chunks {list(tr.layout.sizes)}; "
-                  f"steps {start}..{cfg.max_steps}", flush=True)
-            precision = resolve_mixed_precision(cfg.mixed_precision, info.device)
+                  f"steps {start}..{cfg.run.max_steps}", flush=True)
+            precision = resolve_mixed_precision(cfg.model.mixed_precision, info.device)
             print(f"[chunk-grpo] mixed precision: {precision.mode} ({precision.reason})",
                   flush=True)
         _train_loop(tr, start, bad_streak, on_step_end)
@@ -371,31 +373,31 @@ def _train_loop(tr: Trainer, start: int, bad_streak: int, on_step_end) -> None:
     """Iterations ``start`` .. max_steps: train, evaluate, log, checkpoint; export at the end."""
     cfg, info, run_dir = tr.cfg, tr.info, tr.run_dir
     t_start = time.time()
-    bar = tqdm(range(start, cfg.max_steps), initial=start, total=cfg.max_steps,
-               disable=not (cfg.progress and info.is_main), desc="chunk-grpo")
+    bar = tqdm(range(start, cfg.run.max_steps), initial=start, total=cfg.run.max_steps,
+               disable=not (cfg.run.progress and info.is_main), desc="chunk-grpo")
     step = start
     for step in bar:
         try:
             metrics, finite = train_iteration(tr, step)
             bad_streak = 0 if finite else bad_streak + 1
-            done = step + 1 == cfg.max_steps or (
-                cfg.max_minutes > 0 and time.time() - t_start > 60 * cfg.max_minutes)
-            if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or done:
+            done = step + 1 == cfg.run.max_steps or (
+                cfg.run.max_minutes > 0 and time.time() - t_start > 60 * cfg.run.max_minutes)
+            if (cfg.eval.every and (step + 1) % cfg.eval.every == 0) or done:
                 t = time.perf_counter()
                 metrics.update(evaluate(tr, step + 1, final=done))
                 metrics["time/eval"] = time.perf_counter() - t
         except RewardError as err:  # one line on the command line, naming what is kept
             raise type(err)(f"{err}; the run stopped at step {step + 1}, "
                             f"{_kept_checkpoint(run_dir)}") from err
-        if (step + 1) % cfg.log_every == 0 or done or not finite:
+        if (step + 1) % cfg.run.log_every == 0 or done or not finite:
             tr.logger.log(step + 1, metrics)
         bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}")
-        if bad_streak >= cfg.max_bad_steps:
+        if bad_streak >= cfg.run.max_bad_steps:
             raise TrainingDiverged(
                 f"{bad_streak} iterations in a row had NaN/Inf rewards, losses or gradients "
                 f"(last at step {step + 1}); stopping, {_kept_checkpoint(run_dir)}; lower lr "
                 f"or clip ranges, or check the reward.")
-        if finite and ((cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)
+        if finite and ((cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0)
                        or done):
             _checkpoint(tr, step + 1, bad_streak)
         if on_step_end is not None:
@@ -413,7 +415,7 @@ def _train_loop(tr: Trainer, start: int, bad_streak: int, on_step_end) -> None:
                             f"--resume {run_dir} to export it") from None
     if info.is_main:
         text = finish_summary(tr, step + 1 - start, (time.time() - t_start) / 60, model_dir)
-        if cfg.progress:
+        if cfg.run.progress:
             print(text, flush=True)
 
 

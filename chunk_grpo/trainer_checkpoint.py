@@ -58,12 +58,12 @@ def save_run_checkpoint(tr: Trainer, step: int, bad_streak: int) -> None:
         if bad:
             raise NonFiniteWeights(f"{len(bad)} trained tensor(s) (e.g. {bad[0]})")
         state["world_size"] = 1
-        save_checkpoint(tr.run_dir, step, state, keep=cfg.keep_checkpoints)
+        save_checkpoint(tr.run_dir, step, state, keep=cfg.run.keep_checkpoints)
         return
     if not all_finite(tr.params, tr.info.device):
         raise NonFiniteWeights("some trained tensor(s)")
     save_sharded_checkpoint(tr.run_dir, step, tr.module, tr.optimizer, _run_state(tr, bad_streak),
-                            extra=_ema_tensors(tr), keep=cfg.keep_checkpoints)
+                            extra=_ema_tensors(tr), keep=cfg.run.keep_checkpoints)
 
 
 @dataclass
@@ -99,11 +99,12 @@ def config_for_world(cfg: TrainConfig, resume: Resume, world_size: int) -> tuple
     that says what changed (None: nothing). A batch that cannot be split is a WorldSizeError."""
     saved_cfg = build_config(None, resume.state["config"])
     saved_world = resume.state.get("world_size", 1)
-    asked = cfg.prompts_per_step if cfg.prompts_per_step != saved_cfg.prompts_per_step else None
-    plan = resume_batch_plan(saved_world_size=saved_world,
-                             saved_prompts_per_step=saved_cfg.prompts_per_step,
-                             saved_grad_accum=saved_cfg.grad_accum, world_size=world_size,
-                             requested_prompts_per_step=asked)
+    saved_prompts = saved_cfg.sampling.prompts_per_step
+    asked = cfg.sampling.prompts_per_step
+    plan = resume_batch_plan(saved_world_size=saved_world, saved_prompts_per_step=saved_prompts,
+                             saved_grad_accum=saved_cfg.optim.grad_accum, world_size=world_size,
+                             requested_prompts_per_step=None if asked == saved_prompts
+                             else asked)
     changed = cfg.with_changes({"sampling.prompts_per_step": plan.prompts_per_step,
                                 "optim.grad_accum": plan.grad_accum}).validate()
     return changed, plan.message
@@ -116,7 +117,7 @@ def restore_run(tr: Trainer, resume: Resume) -> None:
                                 restore_rng=True)
         tr.scheduler.load_state_dict(resume.state["scheduler"])
         return
-    if tr.info.world_size > 1 and tr.cfg.parallelism == "fsdp":
+    if tr.info.world_size > 1 and tr.cfg.parallel.mode == "fsdp":
         raise CheckpointError(f"{resume.path} was written by one process; resume it on one "
                               f"process or with parallelism: ddp (a sharded checkpoint, written "
                               f"by a multi-rank run, resumes at any world size)")

@@ -31,11 +31,11 @@ def evaluate(tr: Trainer, step: int, final: bool = False) -> dict:
     over it: the same images (prompts and initial noise) sampled by the base, once per image
     count. ``final``: `final_eval_images` images, kept in ``tr.final_evals`` for the summary."""
     cfg, out = tr.cfg, {}
-    count = eval_image_count(cfg.final_eval_images if final else cfg.eval_images,
+    count = eval_image_count(cfg.eval.final_images if final else cfg.eval.images,
                              tr.info.world_size)
     prompts = [tr.eval_prompts[i % len(tr.eval_prompts)] for i in range(count)]
-    settings = dict(reward=tr.reward_fn, fidelity=tr.fidelity_fn, seed=cfg.seed + 1,
-                    cfg_scale=tr.cfg_scale, batch_size=cfg.rollout_batch_size)
+    settings = dict(reward=tr.reward_fn, fidelity=tr.fidelity_fn, seed=cfg.run.seed + 1,
+                    cfg_scale=tr.cfg_scale, batch_size=cfg.sampling.batch_size)
     if tr.base_policy is not None and count not in tr.base_evals:
         base = evaluate_split(tr.info, tr.base_policy, prompts, **settings)
         tr.base_evals[count] = dataclasses.replace(base, images=base.images[:GRID_IMAGES])
@@ -44,8 +44,8 @@ def evaluate(tr: Trainer, step: int, final: bool = False) -> dict:
         tr.ema.swap()
     try:
         runs = [("eval", None, 0)]
-        if cfg.eval_hybrid_steps and tr.base_policy is not None:
-            runs.append(("eval_hybrid", tr.base_policy, cfg.eval_hybrid_steps))
+        if cfg.eval.hybrid_steps and tr.base_policy is not None:
+            runs.append(("eval_hybrid", tr.base_policy, cfg.eval.hybrid_steps))
         for name, base, k in runs:
             # The model's own sampling defaults, as `python -m chunk_grpo.evaluate` uses them.
             res = evaluate_split(tr.info, tr.policy, prompts, hybrid_base=base,
@@ -100,12 +100,12 @@ def evaluate_split(info: D.DistInfo, policy, prompts: list[str], **settings) -> 
 def finish_summary(tr: Trainer, iterations: int, minutes: float, model_dir: Path | None) -> str:
     """The run's closing screen (before -> after on the final evaluation), saved in the run
     directory with a before/after grid."""
-    base = tr.base_evals.get(tr.cfg.final_eval_images)
+    base = tr.base_evals.get(tr.cfg.eval.final_images)
     comparisons = [] if base is None else [
         Comparison.of(name, base, res) for name, res in tr.final_evals.items()]
     text = summary_text(run_dir=tr.run_dir, reward=tr.cfg.reward.name, comparisons=comparisons,
                         iterations=iterations, minutes=minutes,
-                        hybrid_steps=tr.cfg.eval_hybrid_steps, model_dir=model_dir)
+                        hybrid_steps=tr.cfg.eval.hybrid_steps, model_dir=model_dir)
     save_summary(tr.run_dir, text, comparisons)
     if base is not None and "eval" in tr.final_evals:
         before_after_grid(base, tr.final_evals["eval"], tr.run_dir / "images" / "before_after.png")
@@ -120,7 +120,7 @@ def export_final(tr: Trainer) -> Path:
         tr.policy.reload_text_encoders("cpu")
     if tr.ema is not None:
         tr.ema.swap()
-    dtype = resolve_weights_dtype(tr.cfg.weights_dtype, tr.info.device)
+    dtype = resolve_weights_dtype(tr.cfg.model.weights_dtype, tr.info.device)
     out = tr.run_dir / "final_model"
     try:
         if tr.info.world_size > 1:

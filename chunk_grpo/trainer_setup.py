@@ -88,15 +88,16 @@ class Trainer:
 
     @property
     def cfg_scale(self) -> float:
-        return resolve_cfg_scale(self.policy, self.cfg.cfg_scale)
+        return resolve_cfg_scale(self.policy, self.cfg.sampling.cfg_scale)
 
     @property
     def loss_settings(self) -> LossSettings:
-        cfg = self.cfg
-        return LossSettings(kind=cfg.sde_kind, eta=cfg.eta, cfg_scale=self.cfg_scale,
-                            clip_low=cfg.clip_low, clip_high=cfg.clip_high, kl_coef=cfg.kl_coef,
-                            kl_ref=cfg.kl_ref, mixed_precision=cfg.mixed_precision,
-                            ppo_epochs=cfg.ppo_epochs, grad_accum=cfg.grad_accum)
+        sampling, loss, optim = self.cfg.sampling, self.cfg.loss, self.cfg.optim
+        return LossSettings(kind=sampling.sde, eta=sampling.eta, cfg_scale=self.cfg_scale,
+                            clip_low=loss.clip_low, clip_high=loss.clip_high,
+                            kl_coef=loss.kl_coef, kl_ref=loss.kl_ref,
+                            mixed_precision=self.cfg.model.mixed_precision,
+                            ppo_epochs=optim.ppo_epochs, grad_accum=optim.grad_accum)
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -131,11 +132,11 @@ def check_prompt_sets(prompt_sets: PromptSets, policy: FluxPolicy, reward_fn: Re
 def resolve_reward(cfg: TrainConfig, device: torch.device | None = None) -> RewardMix:
     """The configured reward (or mix) on ``reward_device`` (default: ``device``, the trainer's),
     in bf16 on CUDA and fp32 elsewhere; or a ConfigError that says how to name one."""
-    where = torch.device(cfg.reward_device or device or "cpu")
+    where = torch.device(cfg.reward.device or device or "cpu")
     dtype = torch.bfloat16 if where.type == "cuda" else torch.float32
     try:
         return build_reward(cfg.reward.name, device=where, dtype=dtype,
-                            batch_size=cfg.reward_batch_size)
+                            batch_size=cfg.reward.batch_size)
     except RewardError:
         raise
     except ValueError as err:
@@ -143,10 +144,10 @@ def resolve_reward(cfg: TrainConfig, device: torch.device | None = None) -> Rewa
 
 
 def sampling_shift(cfg: TrainConfig, policy: FluxPolicy) -> float:
-    """The rollouts' sigma shift: ``cfg.shift``, or with ``dynamic_shift`` FLUX's
+    """The rollouts' sigma shift: ``cfg.sampling.shift``, or with ``dynamic_shift`` FLUX's
     resolution-dependent exp(mu) from the image's latent token count."""
-    if not cfg.dynamic_shift:
-        return cfg.shift
+    if not cfg.sampling.dynamic_shift:
+        return cfg.sampling.shift
     rows, cols = policy.latent_grid()
     return dynamic_shift(rows * cols)
 
@@ -159,15 +160,16 @@ def model_path(spec: str) -> str:
 def load_policy(cfg: TrainConfig, device: torch.device) -> FluxPolicy:
     """The model as a FluxPolicy, at the configured image size."""
     # Frozen parts in weights_dtype, the text encoders where `text_encoders` puts them.
-    dtype, frozen_dtype = load_dtypes(cfg.weights_dtype, device, cfg.lora_rank)
+    dtype, frozen_dtype = load_dtypes(cfg.model.weights_dtype, device, cfg.model.lora_rank)
     policy = FluxPolicy.from_pretrained(
         model_path(cfg.model.name), device=device, dtype=dtype, frozen_dtype=frozen_dtype,
-        text_encoder_device=text_encoder_device(cfg.text_encoders, device))
+        text_encoder_device=text_encoder_device(cfg.model.text_encoders, device))
     try:
-        apply_sampling_size(policy, cfg.height, cfg.width, source=model_path(cfg.model.name),
+        apply_sampling_size(policy, cfg.model.height, cfg.model.width,
+                            source=model_path(cfg.model.name),
                             found_file=policy.sampling_file_found,
                             how="height and width (--height H --width W, or in the YAML)")
-        policy.set_guidance(cfg.guidance)
+        policy.set_guidance(cfg.model.guidance)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     return policy
@@ -177,11 +179,11 @@ def load_checked_policy(cfg: TrainConfig, device: torch.device) -> FluxPolicy:
     """The policy, once the config is known to suit it (checked here, not at the first
     evaluation, which may come only at the end of the run). Seeds torch first: what follows
     (the profile, LoRA's initialisation) draws from the seeded generator."""
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.run.seed)
     policy = load_policy(cfg, device)
     eval_steps = policy.defaults.num_steps  # evaluation samples as `chunk_grpo.evaluate` does
-    if cfg.eval_hybrid_steps > eval_steps:
-        raise ConfigError(f"eval_hybrid_steps={cfg.eval_hybrid_steps} exceeds the {eval_steps} "
+    if cfg.eval.hybrid_steps > eval_steps:
+        raise ConfigError(f"eval_hybrid_steps={cfg.eval.hybrid_steps} exceeds the {eval_steps} "
                           f"steps evaluation samples with (the model's default num_steps); set "
                           f"--eval-hybrid-steps to at most {eval_steps}, or 0 to skip hybrid "
                           f"evaluation")
@@ -195,18 +197,19 @@ def resolve_layout(cfg: TrainConfig, policy: FluxPolicy, prompts: list[str], run
     """The run's fixed chunk layout; "auto" (or weighted sampling) measures the profile on the
     first training prompts. G2RPO trains one branch step per iteration: its layout is step
     level, chunk j = step j."""
-    if cfg.algorithm == "g2rpo":
+    if cfg.sampling.algorithm == "g2rpo":
         layout = ChunkLayout((1,) * cfg.num_trained)
     else:
-        layout = parse_chunk_spec(cfg.chunks.spec, cfg.num_trained, cfg.chunk_size)
+        layout = parse_chunk_spec(cfg.chunks.spec, cfg.num_trained, cfg.chunks.size)
     curve = None
-    if layout is None or cfg.weighted_chunks:
-        curve = measure_dynamics(policy, prompts[:cfg.profile_prompts], num_steps=cfg.num_steps,
+    if layout is None or cfg.chunks.weighted:
+        curve = measure_dynamics(policy, prompts[:cfg.chunks.profile_prompts],
+                                 num_steps=cfg.sampling.steps,
                                  shift=sampling_shift(cfg, policy),
-                                 cfg_scale=cfg.cfg_scale, seed=cfg.seed,
-                                 batch_size=cfg.rollout_batch_size)
+                                 cfg_scale=cfg.sampling.cfg_scale, seed=cfg.run.seed,
+                                 batch_size=cfg.sampling.batch_size)
         if layout is None:
-            layout = propose_chunks(curve, cfg.max_chunk_size, cfg.num_trained)
+            layout = propose_chunks(curve, cfg.chunks.max_size, cfg.num_trained)
         if info.is_main:
             save_profile(curve, layout, run_dir)
     return layout, curve
@@ -214,8 +217,10 @@ def resolve_layout(cfg: TrainConfig, policy: FluxPolicy, prompts: list[str], run
 
 def optimizer_steps_per_iter(cfg: TrainConfig) -> int:
     """The optimizer steps of one iteration (`optimizer_steps_per_iteration` of its rows)."""
-    return optimizer_steps_per_iteration(cfg.prompts_per_step * cfg.group_size,
-                                         cfg.micro_batch_size, cfg.grad_accum, cfg.ppo_epochs)
+    sampling, optim = cfg.sampling, cfg.optim
+    return optimizer_steps_per_iteration(sampling.prompts_per_step * sampling.group_size,
+                                         optim.micro_batch_size, optim.grad_accum,
+                                         optim.ppo_epochs)
 
 
 def build_trainer(cfg: TrainConfig, run_dir: Path, info: D.DistInfo, *,
@@ -232,28 +237,29 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, info: D.DistInfo, *,
     if layout is None:
         layout, curve = resolve_layout(cfg, policy, prompt_sets.train.prompts, run_dir, info)
         chunk_weights = layout.chunk_weights(curve) if curve is not None else None
+    model = cfg.model
     prepare_transformer(
-        policy.transformer, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
-        lora_targets=cfg.lora_targets, gradient_checkpointing=cfg.gradient_checkpointing,
-        attention_backend=cfg.attention_backend)
+        policy.transformer, lora_rank=model.lora_rank, lora_alpha=model.lora_alpha,
+        lora_targets=model.lora_targets, gradient_checkpointing=model.gradient_checkpointing,
+        attention_backend=model.attention_backend)
     base = None
-    if cfg.eval_hybrid_steps:  # the base from the policy's own weights, before any step
-        base = hybrid_base(policy, resolve_weights_dtype(cfg.weights_dtype, info.device))
+    if cfg.eval.hybrid_steps:  # the base from the policy's own weights, before any step
+        base = hybrid_base(policy, resolve_weights_dtype(cfg.model.weights_dtype, info.device))
     module = parallelize_policy(cfg, policy, base, info)
     params = trainable_parameters(module)  # FSDP replaced them by sharded ones
-    optimizer = build_optimizer(params, name=cfg.optimizer, lr=cfg.lr,
-                                betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                                weight_decay=cfg.weight_decay)
-    scheduler = build_lr_scheduler(optimizer, warmup_steps=cfg.warmup_steps,
-                                   total_steps=cfg.max_steps * optimizer_steps_per_iter(cfg),
-                                   kind=cfg.lr_schedule)
+    optimizer = build_optimizer(params, name=cfg.optim.name, lr=cfg.optim.lr,
+                                betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
+                                weight_decay=cfg.optim.weight_decay)
+    scheduler = build_lr_scheduler(optimizer, warmup_steps=cfg.optim.warmup_steps,
+                                   total_steps=cfg.run.max_steps * optimizer_steps_per_iter(cfg),
+                                   kind=cfg.optim.schedule)
     ema = None
-    if cfg.ema_decay > 0:
+    if cfg.optim.ema_decay > 0:
         ema = EMA([(n, p) for n, p in policy.transformer.named_parameters() if p.requires_grad],
-                  cfg.ema_decay)
+                  cfg.optim.ema_decay)
     # On shapes prompts, the shapes world's checks say whether a learned reward's gain kept
     # prompt fidelity (colour, shape, count, position) or came from reward hacking.
-    fidelity = get_reward("shapes") if cfg.eval_prompts.startswith("shapes:") else None
+    fidelity = get_reward("shapes") if cfg.data.eval_prompts.startswith("shapes:") else None
     return Trainer(cfg=cfg, info=info, run_dir=run_dir, policy=policy, module=module,
                    params=params,
                    optimizer=optimizer, scheduler=scheduler, ema=ema, reward_fn=reward_fn,
@@ -270,14 +276,14 @@ def parallelize_policy(cfg: TrainConfig, policy: FluxPolicy, base, info: D.DistI
     block, or DDP; nothing on one process) and return the module that trains. FSDP computes in
     bf16 when the run's mixed precision is bf16; a full-fine-tuning hybrid base (a frozen copy)
     is sharded the same way."""
-    bf16 = resolve_mixed_precision(cfg.mixed_precision, info.device).mode == "bf16"
-    options = dict(mode=cfg.parallelism, device=info.device, cpu_offload=cfg.cpu_offload,
+    bf16 = resolve_mixed_precision(cfg.model.mixed_precision, info.device).mode == "bf16"
+    options = dict(mode=cfg.parallel.mode, device=info.device, cpu_offload=cfg.parallel.cpu_offload,
                    param_dtype=torch.bfloat16 if bf16 else None)
     try:
         module = parallelize_transformer(
-            policy.transformer, activation_checkpointing=cfg.gradient_checkpointing,
-            compile_blocks=cfg.compile_blocks, **options)
-        if isinstance(base, FrozenTransformerBase) and cfg.parallelism == "fsdp":
+            policy.transformer, activation_checkpointing=cfg.model.gradient_checkpointing,
+            compile_blocks=cfg.model.compile_blocks, **options)
+        if isinstance(base, FrozenTransformerBase) and cfg.parallel.mode == "fsdp":
             parallelize_transformer(base.base_transformer, **options)
     except ParallelismError as err:
         raise ConfigError(str(err)) from None

@@ -51,23 +51,23 @@ def test_cells_give_the_intended_chunk_layouts(num_steps, expected):
             for name, cell in ablate.CELLS.items()}
     for name, sizes in expected.items():
         layout = parse_chunk_spec(cfgs[name].chunks.spec, cfgs[name].num_trained,
-                                  cfgs[name].chunk_size)
+                                  cfgs[name].chunks.size)
         assert layout.sizes == sizes, name
     for cfg in cfgs.values():  # the ablation's base: every step stochastic, the budget, the seed
-        assert cfg.sde_window == 0 and cfg.max_minutes == 2.0 and cfg.seed == 1
-        assert cfg.max_steps == ablate.TIME_LIMITED_MAX_STEPS and cfg.eval_hybrid_steps == 0
-    assert cfgs["auto"].chunks.spec == "auto" and cfgs["auto"].chunk_size is None
-    assert not cfgs["auto"].weighted_chunks and cfgs["auto"].chunk_fraction == 1.0
-    assert cfgs["auto-ws"].chunks.spec == "auto" and cfgs["auto-ws"].weighted_chunks
-    assert cfgs["auto-ws"].chunk_fraction == 0.5
-    assert cfgs["g2rpo"].algorithm == "g2rpo"
-    assert {cfg.algorithm for n, cfg in cfgs.items() if n != "g2rpo"} == {"chunk_grpo"}
+        assert cfg.sampling.sde_window == 0 and cfg.run.max_minutes == 2.0 and cfg.run.seed == 1
+        assert cfg.run.max_steps == ablate.TIME_LIMITED_MAX_STEPS and cfg.eval.hybrid_steps == 0
+    assert cfgs["auto"].chunks.spec == "auto" and cfgs["auto"].chunks.size is None
+    assert not cfgs["auto"].chunks.weighted and cfgs["auto"].chunks.fraction == 1.0
+    assert cfgs["auto-ws"].chunks.spec == "auto" and cfgs["auto-ws"].chunks.weighted
+    assert cfgs["auto-ws"].chunks.fraction == 0.5
+    assert cfgs["g2rpo"].sampling.algorithm == "g2rpo"
+    assert {cfg.sampling.algorithm for n, cfg in cfgs.items() if n != "g2rpo"} == {"chunk_grpo"}
 
 
 def test_a_passed_flag_reaches_every_cell_and_a_too_big_chunk_names_its_cell():
     base = ablate.base_values(None, {"sde_window": 5, "lr": 3e-4})
     cfg = ablate.cell_config(base, ablate.CELLS["chunk4"], seed=0, minutes=1.0)
-    assert cfg.num_trained == 5 and cfg.lr == 3e-4
+    assert cfg.num_trained == 5 and cfg.optim.lr == 3e-4
     small = ablate.base_values(None, {"sde_window": 3})
     with pytest.raises(ConfigError, match="cell chunk4: chunk size 4 exceeds the 3 trained"):
         ablate.cell_config(small, ablate.CELLS["chunk4"], seed=0, minutes=1.0)

@@ -92,7 +92,7 @@ def test_config_takes_a_yaml_mapping_or_a_flag(tmp_path):
                                     "mix_advantage": "per_reward"}))
     cfg = build_config(path)
     assert cfg.reward.name == "test_brightness=1.0,test_mix_red=0.5"
-    assert cfg.mix_advantage == "per_reward"
+    assert cfg.reward.mix_advantage == "per_reward"
     _, overrides, _ = parse_args(["--reward", "test_brightness=1.0,my_mod:red=0.5"])
     assert build_config(None, overrides).reward.name == "test_brightness=1.0,my_mod:red=0.5"
     with pytest.raises(ConfigError, match="reward: reward entry 'clip=x'"):

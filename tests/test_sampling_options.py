@@ -35,7 +35,7 @@ def test_checks_name_the_problem_and_take_the_callers_error():
 
 def test_config_and_command_lines_use_the_same_lists():
     for kind in SDE_KINDS:
-        assert build_config(None, {"sde_kind": kind}).sde_kind == kind
+        assert build_config(None, {"sde_kind": kind}).sampling.sde == kind
     with pytest.raises(ConfigError, match="sde_kind must be one of flow, dance, cps, cps_mse"):
         build_config(None, {"sde_kind": "ode"})
     with pytest.raises(ConfigError, match="group_size must be even"):

@@ -1,6 +1,5 @@
 """The training config: presets, command-line overrides, and clear errors for bad input."""
 
-import dataclasses
 import math
 import os
 import re
@@ -15,7 +14,6 @@ from chunk_grpo.config import (
     FLAT_ALIASES,
     PATHS,
     ConfigError,
-    ModelConfig,
     TrainConfig,
     build_config,
     flat_keys,
@@ -33,11 +31,13 @@ def test_default_preset_is_the_dataclass_default():
 
 def test_flux_preset_has_the_papers_settings():
     cfg = build_config(CONFIGS / "flux_dev_hpsv3.yaml")
-    assert (cfg.num_steps, cfg.shift, cfg.eta, cfg.group_size) == (17, 3.0, 0.7, 12)
-    assert cfg.chunks.spec == "2,3,4,7" and cfg.chunk_fraction == 0.5
-    assert (cfg.lr, cfg.clip_low, cfg.clip_high, cfg.max_grad_norm) == (1e-5, 5e-5, 5e-5, 0.01)
-    assert (cfg.height, cfg.width, cfg.max_steps) == (720, 720, 150)
-    assert cfg.mixed_precision == "bf16" and cfg.gradient_checkpointing
+    s = cfg.sampling
+    assert (s.steps, s.shift, s.eta, s.group_size) == (17, 3.0, 0.7, 12)
+    assert cfg.chunks.spec == "2,3,4,7" and cfg.chunks.fraction == 0.5
+    assert (cfg.optim.lr, cfg.loss.clip_low, cfg.loss.clip_high, cfg.optim.max_grad_norm) == (
+        1e-5, 5e-5, 5e-5, 0.01)
+    assert (cfg.model.height, cfg.model.width, cfg.run.max_steps) == (720, 720, 150)
+    assert cfg.model.mixed_precision == "bf16" and cfg.model.gradient_checkpointing
 
 
 def test_cli_overrides_yaml_and_types(tmp_path):
@@ -50,9 +50,10 @@ def test_cli_overrides_yaml_and_types(tmp_path):
     yml.write_text(yaml.safe_dump({"group_size": 3, "lr": 0.5, "chunks": [2, 3, 4, 6],
                                   "num_steps": 16, "sde_window": 0}))
     cfg = build_config(yml, overrides)
-    assert cfg.group_size == 6 and cfg.lr == 0.5 and cfg.clip_low == 1e-3
-    assert cfg.chunks.spec == "7,8" and cfg.cfg_scale is None and cfg.shared_noise is True
-    assert cfg.lora_targets == ["to_q", "to_v"]
+    assert cfg.sampling.group_size == 6 and cfg.optim.lr == 0.5 and cfg.loss.clip_low == 1e-3
+    assert cfg.chunks.spec == "7,8" and cfg.sampling.cfg_scale is None
+    assert cfg.sampling.shared_noise is True
+    assert cfg.model.lora_targets == ["to_q", "to_v"]
     assert build_config(yml).chunks.spec == "2,3,4,6"  # a YAML list becomes the spec string
 
 
@@ -138,7 +139,7 @@ def test_dynamic_shift_follows_the_token_count(tmp_path):
 
 
 def test_antithetic_noise_needs_an_even_group():
-    assert build_config(None, {"antithetic_noise": True, "group_size": 8}).antithetic_noise
+    assert build_config(None, {"antithetic_noise": True, "group_size": 8}).sampling.antithetic_noise
     with pytest.raises(ConfigError, match="group_size must be even"):
         build_config(None, {"antithetic_noise": True, "group_size": 7})
 
@@ -401,15 +402,3 @@ def test_the_config_module_imports_no_torch():
     assert result.stdout.strip() == "[]"
 
 
-# >>> TRANSITION SHIM: these go with config.py's shim (tools/convert_config_access.py
-# --remove-shim deletes both).
-def test_the_transition_shim_reads_and_replaces_flat_names():
-    cfg = build_config(None, {"lr": 2e-4, "group_size": 4})
-    assert (cfg.lr, cfg.group_size, cfg.num_steps) == (2e-4, 4, 10)
-    assert isinstance(cfg.model, ModelConfig)  # a section's own name is the section
-    moved = dataclasses.replace(cfg, lr=1e-4, max_steps=3)
-    assert (moved.optim.lr, moved.run.max_steps, cfg.optim.lr) == (1e-4, 3, 2e-4)
-    assert TrainConfig(model="some/dir", lr=1e-2).model.name == "some/dir"
-    with pytest.raises(AttributeError, match="no attribute 'lerning_rate'"):
-        _ = cfg.lerning_rate
-# <<< TRANSITION SHIM

@@ -165,7 +165,7 @@ def test_lora_with_reference_kl_and_merged_export(tmp_path):
     from chunk_grpo.policy_setup import load_trainable_state_dict, prepare_transformer
 
     prepare_transformer(trained.transformer, lora_rank=4, lora_alpha=None,
-                        lora_targets=cfg.lora_targets, gradient_checkpointing=False,
+                        lora_targets=cfg.model.lora_targets, gradient_checkpointing=False,
                         attention_backend="native")
     load_trainable_state_dict(trained.transformer, state["model"])
     merged = FluxPolicy.from_pretrained(out / "final_model")
