@@ -53,6 +53,7 @@ from chunk_grpo.config import (
     parse_args,
     save_config,
 )
+from chunk_grpo.memory_plan import check_plan
 from chunk_grpo.metrics import reward_captions, save_image_grid
 from chunk_grpo.parallelize import any_rank, clip_grad_norm, sync_gradients
 from chunk_grpo.policy_update import TrainUnit, UpdateRecord, accumulate_gradients, plan_units
@@ -291,6 +292,8 @@ def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = F
     # path leaves nothing behind.
     prompt_sets = read_prompt_sets(cfg)
     info = D.init_distributed(cfg.run.device)
+    if info.device.type == "cuda":  # the memory plan, before a weight is loaded
+        check_plan(cfg, info.world_size, torch.cuda.get_device_properties(info.device).total_memory)
     reward_fn = resolve_reward(cfg, info.device)
     policy = load_checked_policy(cfg, info.device)
     check_prompt_sets(prompt_sets, policy, reward_fn)

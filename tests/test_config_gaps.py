@@ -3,27 +3,24 @@ as one line before anything is created."""
 
 import pytest
 import torch
-from trainer_utils import tiny_config
+from trainer_utils import TINY_DEFAULTS, TINY_SIZES, save_tiny_flux, tiny_config
 from transformers import T5Tokenizer
 
-from chunk_grpo.config import ConfigError, run_command
+from chunk_grpo.cli import run_command
+from chunk_grpo.config import ConfigError
 from chunk_grpo.models import FluxPolicy
-from chunk_grpo.models.tiny import (
-    TEST_DEFAULTS,
-    TEST_SIZES,
-    build_tiny_flux_pipeline,
-    save_tiny_flux,
-)
+from chunk_grpo.models.tiny import build_tiny_flux_pipeline
 from chunk_grpo.prompts import reads_lowercase_only
-from chunk_grpo.train import load_policy, main
+from chunk_grpo.train import main
+from chunk_grpo.trainer_setup import load_policy
 
 WORDS = ["a", "cat", "red"]
 
 
 def test_a_cased_t5_gets_the_prompt_as_written():
     # Room in the T5 embedding table for the cased vocabulary below.
-    pipeline = build_tiny_flux_pipeline(WORDS + ["one", "two", "blue", "square"], **TEST_SIZES)
-    lower_only = FluxPolicy(pipeline, TEST_DEFAULTS)  # the tiny word-level T5: lowercase only
+    pipeline = build_tiny_flux_pipeline(WORDS + ["one", "two", "blue", "square"], **TINY_SIZES)
+    lower_only = FluxPolicy(pipeline, TINY_DEFAULTS)  # the tiny word-level T5: lowercase only
     assert lower_only.lowercase_t5
     same = [lower_only.encode_prompts([p]).prompt_embeds for p in ("A Cat", "a cat")]
     torch.testing.assert_close(same[0], same[1], rtol=0, atol=0)
@@ -33,7 +30,7 @@ def test_a_cased_t5_gets_the_prompt_as_written():
     cased = T5Tokenizer(vocab=[("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
                         + [("\u2581" + w, -1.0) for w in pieces], extra_ids=0)
     pipeline.tokenizer_2 = cased
-    policy = FluxPolicy(pipeline, TEST_DEFAULTS)
+    policy = FluxPolicy(pipeline, TINY_DEFAULTS)
     assert not policy.lowercase_t5 and not reads_lowercase_only(cased)
     upper, lower = (policy.encode_prompts([p]) for p in ("A Cat", "a cat"))
     assert (upper.prompt_embeds - lower.prompt_embeds).abs().max() > 1e-3
@@ -45,7 +42,7 @@ def test_a_cased_t5_gets_the_prompt_as_written():
 @pytest.fixture(scope="module")
 def guided_model(tmp_path_factory):
     return save_tiny_flux(tmp_path_factory.mktemp("guided"), WORDS,
-                          **{**TEST_SIZES, "guidance_embeds": True})
+                          **{**TINY_SIZES, "guidance_embeds": True})
 
 
 def test_guidance_field_sets_the_models_guidance(guided_model, tmp_path):

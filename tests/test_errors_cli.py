@@ -13,11 +13,11 @@ import pytest
 import torch
 from trainer_utils import tiny_config, tiny_model_dir
 
+from chunk_grpo import distributed as D
 from chunk_grpo.checkpoint import (
     DiskFullError,
     checkpoint_problem,
     latest_checkpoint,
-    save_checkpoint,
 )
 from chunk_grpo.cli import run_command
 from chunk_grpo.cli_args import quiet_third_party
@@ -25,7 +25,8 @@ from chunk_grpo.config import ConfigError, build_config, load_yaml
 from chunk_grpo.models.sampling_defaults import CONFIG_NAME
 from chunk_grpo.run_lock import RunLock
 from chunk_grpo.shapes import HELDOUT_PROMPTS_FILE
-from chunk_grpo.train import TrainingDiverged, _refuse_nonfinite, main, run
+from chunk_grpo.train import TrainingDiverged, _checkpoint, main, run
+from chunk_grpo.trainer_setup import build_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -190,14 +191,16 @@ def test_a_locked_run_directory_is_refused(tmp_path, model):
     assert sorted(p.name for p in out.iterdir()) == [".lock"]  # no config, no metrics
 
 
-def test_nan_weights_are_never_checkpointed(tmp_path):
-    save_checkpoint(tmp_path, 1, {"model": {"w": torch.ones(3)}})
-    state = {"model": {"w": torch.tensor([1.0, float("nan"), 2.0]), "b": torch.ones(2)}}
-    with pytest.raises(TrainingDiverged, match=r"1 trained tensor\(s\) \(e.g. w\) hold NaN/Inf "
+def test_nan_weights_are_never_checkpointed(tmp_path, model):
+    tr = build_trainer(tiny_config(model, tmp_path / "run"), tmp_path / "run", D.DistInfo())
+    _checkpoint(tr, 1, 0)
+    with torch.no_grad():
+        next(p for p in tr.params).view(-1)[0] = float("nan")
+    with pytest.raises(TrainingDiverged, match=r"1 trained tensor\(s\) \(e.g. .*\) hold NaN/Inf "
                                                r"at step 2; .* last good checkpoint is .*"
                                                r"step-00000001"):
-        _refuse_nonfinite(state, 2, tmp_path)
-    assert latest_checkpoint(tmp_path).name == "step-00000001"
+        _checkpoint(tr, 2, 0)
+    assert latest_checkpoint(tmp_path / "run").name == "step-00000001"
 
 
 @pytest.mark.slow  # a real process: start-up, one iteration, then a resumed iteration

@@ -3,10 +3,10 @@ under full fine-tuning. Its images equal those of a separately loaded base model
 
 import pytest
 import torch
+from trainer_utils import save_tiny_flux
 
 from chunk_grpo.hybrid_base import AdaptersDisabled, FrozenTransformerBase, hybrid_base
 from chunk_grpo.models import FluxPolicy
-from chunk_grpo.models.tiny import save_tiny_flux
 from chunk_grpo.policy_setup import prepare_transformer
 from chunk_grpo.rollout import generate
 

@@ -3,9 +3,10 @@ names), module-name lists as before, and errors for names that match nothing."""
 
 import pytest
 import torch
+from trainer_utils import TINY_SIZES
 
 from chunk_grpo.config import ConfigError, TrainConfig, build_config
-from chunk_grpo.models.tiny import TEST_SIZES, build_tiny_flux_pipeline
+from chunk_grpo.models.tiny import build_tiny_flux_pipeline
 from chunk_grpo.policy_setup import prepare_transformer
 from chunk_grpo.specs import LORA_PRESETS, lora_target_modules
 
@@ -21,7 +22,7 @@ REST = {DOUBLE + "ff.net.0.proj", DOUBLE + "ff.net.2", DOUBLE + "ff_context.net.
 
 
 def _wrapped(targets) -> set[str]:
-    transformer = build_tiny_flux_pipeline(["a"], **TEST_SIZES).transformer
+    transformer = build_tiny_flux_pipeline(["a"], **TINY_SIZES).transformer
     prepare_transformer(transformer, lora_rank=2, lora_alpha=None, lora_targets=targets,
                         gradient_checkpointing=False, attention_backend="native")
     return {n for n, m in transformer.named_modules() if hasattr(m, "lora_A")}
@@ -38,7 +39,7 @@ def test_each_preset_wraps_exactly_its_modules(preset, expected):
 
 
 def test_all_covers_every_linear_layer_of_the_blocks_and_nothing_outside():
-    transformer = build_tiny_flux_pipeline(["a"], **TEST_SIZES).transformer
+    transformer = build_tiny_flux_pipeline(["a"], **TINY_SIZES).transformer
     in_blocks = {n for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)
                  and n.startswith(("transformer_blocks.", "single_transformer_blocks."))}
     assert in_blocks == ATTENTION | TEXT | REST

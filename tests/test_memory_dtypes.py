@@ -3,9 +3,9 @@ bf16 base computes the velocity of the fp32 model within bf16's rounding."""
 
 import pytest
 import torch
+from trainer_utils import save_tiny_flux
 
 from chunk_grpo.models import FluxPolicy
-from chunk_grpo.models.tiny import save_tiny_flux
 from chunk_grpo.policy_setup import prepare_transformer
 from chunk_grpo.weights_dtype import load_dtypes, resolve_weights_dtype
 

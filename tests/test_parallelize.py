@@ -22,9 +22,10 @@ from parallel_utils import (
     train,
 )
 from spawn_ranks import run_ranks
+from trainer_utils import TINY_DEFAULTS, TINY_SIZES
 
 from chunk_grpo.models.policy import FluxPolicy
-from chunk_grpo.models.tiny import TEST_DEFAULTS, TEST_SIZES, build_tiny_flux_pipeline
+from chunk_grpo.models.tiny import build_tiny_flux_pipeline
 from chunk_grpo.parallelize import (
     ParallelismError,
     all_finite,
@@ -102,8 +103,8 @@ def policy_gradients(mode: str, rank: int, world: int) -> dict[str, torch.Tensor
 
 def tiny_policy() -> FluxPolicy:
     torch.manual_seed(0)
-    pipeline = build_tiny_flux_pipeline(["red", "cat"], **TEST_SIZES)
-    policy = FluxPolicy(pipeline, TEST_DEFAULTS)
+    pipeline = build_tiny_flux_pipeline(["red", "cat"], **TINY_SIZES)
+    policy = FluxPolicy(pipeline, TINY_DEFAULTS)
     prepare_transformer(policy.transformer, lora_rank=4, lora_alpha=None,
                         lora_targets=["to_q", "to_k", "to_v", "to_out.0"],
                         gradient_checkpointing=False, attention_backend="native")

@@ -3,10 +3,10 @@ are keyed by the encoders, and an uncached prompt with freed encoders is a clear
 
 import pytest
 import torch
+from trainer_utils import save_tiny_flux
 
 from chunk_grpo.distributed import DistInfo
 from chunk_grpo.models import FluxPolicy
-from chunk_grpo.models.tiny import save_tiny_flux
 from chunk_grpo.prompt_cache import (
     PromptCache,
     PromptCacheError,

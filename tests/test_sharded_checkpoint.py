@@ -15,6 +15,7 @@ from parallel_utils import build_transformer, full_trainable_state, make_optimiz
 from safetensors import safe_open
 from spawn_ranks import run_ranks
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from trainer_utils import TINY_SIZES
 
 from chunk_grpo.checkpoint import (
     CheckpointError,
@@ -22,7 +23,7 @@ from chunk_grpo.checkpoint import (
     find_resumable,
     latest_checkpoint,
 )
-from chunk_grpo.models.tiny import TEST_SIZES, build_tiny_flux_pipeline
+from chunk_grpo.models.tiny import build_tiny_flux_pipeline
 from chunk_grpo.parallelize import parallelize_transformer, trainable_parameters
 from chunk_grpo.policy_setup import merged_transformer
 from chunk_grpo.sharded_checkpoint import (
@@ -51,7 +52,7 @@ def save_on_two_ranks(rank, world, tmp, run_dir):
     optimizer = make_optimizer(params)
     train(call, params, rank, world, optimizer=optimizer, steps=range(2))
     save_sharded_checkpoint(run_dir, 2, call, optimizer, {"scheduler": {"last": 2}})
-    pipeline = build_tiny_flux_pipeline(["red", "cat"], **TEST_SIZES)
+    pipeline = build_tiny_flux_pipeline(["red", "cat"], **TINY_SIZES)
     export_full_model(pipeline, call, run_dir / "final_model")
     return full_trainable_state(call), full_optimizer_state(call, optimizer)
 
@@ -68,7 +69,7 @@ def resume_on_two_ranks(rank, world, tmp, run_dir):
         loaded[mode] = (full_trainable_state(call), full_optimizer_state(call, optimizer),
                         trainer)
     # the export from the DDP wrapper (the resumed weights): gathered the same way
-    export_full_model(build_tiny_flux_pipeline(["red", "cat"], **TEST_SIZES), call,
+    export_full_model(build_tiny_flux_pipeline(["red", "cat"], **TINY_SIZES), call,
                       tmp / "final_ddp")
     return loaded
 

@@ -19,6 +19,16 @@ TINY_DEFAULTS = SamplingDefaults(height=32, width=32, max_sequence_length=8, num
                                  shift=3.0)
 
 
+def save_tiny_flux(directory: Path, vocabulary: list[str], *, seed: int = 0,
+                   defaults: SamplingDefaults = TINY_DEFAULTS, **sizes) -> Path:
+    """A random tiny FLUX over ``vocabulary`` (TINY_SIZES unless sizes are given) saved with its
+    sampling defaults in ``directory``, which `FluxPolicy.from_pretrained` loads."""
+    build_tiny_flux_pipeline(vocabulary, seed=seed, **(sizes or TINY_SIZES)).save_pretrained(
+        directory)
+    defaults.save(directory)
+    return Path(directory)
+
+
 def tiny_model_dir(root: Path, seed: int = 0) -> Path:
     """A random tiny FLUX with the shapes vocabulary (32x32 images, 16 latent tokens of 16
     channels) and TINY_DEFAULTS saved as a diffusers directory; built once per root and seed."""
