@@ -33,11 +33,14 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from chunk_grpo.chunking import parse_chunk_spec
+from chunk_grpo.cli_args import EMBEDDED_MODEL_DIR
 from chunk_grpo.config import ConfigError, TrainConfig
+from chunk_grpo.models.sampling_defaults import CONFIG_NAME, SamplingDefaults
 from chunk_grpo.plan_activations import (
     Adapters,
     CallMemory,
@@ -58,6 +61,7 @@ from chunk_grpo.plan_models import (
     reward_parameter_counts,
     transformer_blocks,
 )
+from chunk_grpo.precision import resolve_mixed_precision
 
 GB = 1e9
 CUDA_CONTEXT_BYTES = 3 * 10**9  # CUDA context (~0.5-1 GB), cuBLAS/NCCL workspaces, allocator slack
@@ -176,11 +180,6 @@ class Plan:
 def _resolved_size(cfg: TrainConfig) -> tuple[int, int, int]:
     """(height, width, T5 tokens): the config's size, else the model's chunk_grpo.json; the
     prompt length from chunk_grpo.json (FLUX.1-dev: 512)."""
-    from pathlib import Path
-
-    from chunk_grpo.cli_args import EMBEDDED_MODEL_DIR
-    from chunk_grpo.models.sampling_defaults import CONFIG_NAME, SamplingDefaults
-
     name = cfg.model.name
     local = Path(str(EMBEDDED_MODEL_DIR) if name == "embedded" else name).expanduser()
     found = local.is_dir() and (local / CONFIG_NAME).is_file()
@@ -211,8 +210,6 @@ def settings_from_config(cfg: TrainConfig, world_size: int, device: str | None =
     """The plan's inputs from a training config on ``world_size`` ranks. ``device`` (default:
     the config's; "auto" plans for CUDA) picks the dtypes: on CUDA ``auto`` means bf16 autocast
     and bf16 frozen weights; on the CPU, what the trainer picks on this machine."""
-    from chunk_grpo.precision import resolve_mixed_precision
-
     device = device or cfg.run.device
     device = "cuda" if device == "auto" else device
     if device == "cuda":

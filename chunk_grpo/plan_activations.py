@@ -11,11 +11,10 @@
 The same probes run on real tensors (the tests compare a real CPU call of a tiny FLUX with its
 FakeTensor twin). `estimate_flux_call` measures FLUX-shaped transformers with 1 and 2 blocks of
 each kind under FakeTensorMode and extrapolates linearly to the real block counts: every block
-of a kind saves the same bytes, so both the saved bytes and the peak are linear in the counts.
-The forward's and the backward's peaks are
-extrapolated separately (each is the saved bytes so far, linear, plus one block's temporaries).
-Mixed precision is simulated with CPU autocast (on CUDA, autocast's op lists differ a little:
-e.g. softmax and norms run in fp32 on both).
+of a kind saves the same bytes, so the saved bytes are linear in the counts, and so are the
+forward's and the backward's peaks, taken apart (each is what is saved so far plus one block's
+temporaries). Mixed precision is simulated with CPU autocast; CUDA autocast's op lists differ
+a little.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from chunk_grpo.cli_args import EMBEDDED_MODEL_DIR
+from chunk_grpo.policy_setup import resolve_lora_targets
 from chunk_grpo.reward_spec import parse_reward_spec
 
 CONFIG_DIR = Path(__file__).resolve().parent / "assets" / "model_configs"
@@ -125,28 +126,18 @@ def transformer_blocks(transformer: nn.Module) -> list[nn.Module]:
     return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
 
 
-def _lora_matches(name: str, targets: list[str]) -> bool:
-    """peft's rule for a list of target module names: the full name or its last parts."""
-    return any(name == t or name.endswith("." + t) for t in targets)
-
-
 def lora_parameter_count(transformer: nn.Module, rank: int, targets: list[str]) -> int:
-    """Parameters peft adds for LoRA of ``rank`` on the Linear layers named by ``targets``:
-    rank x (in + out) per layer (A and B, no bias). Raises ValueError when nothing matches."""
-    count = matched = 0
-    for name, module in transformer.named_modules():
-        if isinstance(module, nn.Linear) and _lora_matches(name, targets):
-            count += rank * (module.in_features + module.out_features)
-            matched += 1
-    if not matched:
-        raise ValueError(f"lora_targets {targets} match no Linear layer of the transformer; "
-                         "name FLUX modules such as to_q, to_k, to_v, to_out.0")
-    return count
+    """Parameters peft adds for LoRA of ``rank`` on the Linear layers ``targets`` names (a
+    preset or module names, resolved as the trainer resolves them): rank x (in + out) per layer
+    (A and B, no bias). Raises ValueError when nothing matches."""
+    names = set(resolve_lora_targets(transformer, targets))
+    return sum(rank * (module.in_features + module.out_features)
+               for name, module in transformer.named_modules() if name in names)
 
 
 def lora_target_names(transformer: nn.Module, targets: list[str]) -> list[str]:
-    return [name for name, module in transformer.named_modules()
-            if isinstance(module, nn.Linear) and _lora_matches(name, targets)]
+    """The Linear layers a LoRA on ``targets`` wraps (`policy_setup.resolve_lora_targets`)."""
+    return resolve_lora_targets(transformer, targets)
 
 
 # ----------------------------------------------------------------------------- rewards
