@@ -25,7 +25,6 @@ from __future__ import annotations
 import os
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -34,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from diffusers import FluxTransformer2DModel
+from peak_memory import PeakMemory
 from peft import LoraConfig
 
 from chunk_grpo.models.policy import EMBEDDED_MODEL
@@ -56,32 +56,6 @@ FLUX_DEV_WIDTH = dict(patch_size=1, in_channels=64, num_layers=1, num_single_lay
                       pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56))
 COMM_PREFIXES = ("gloo:", "nccl:", "c10d::", "record_param_comms")
 RESULTS: dict[str, dict] = {}
-
-
-class PeakRSS:
-    """Peak resident memory above the level at entry, in MiB (sampled every 2 ms)."""
-
-    def __enter__(self):
-        self.base = self.peak = self._rss()
-        self.running = True
-        self.thread = threading.Thread(target=self._watch, daemon=True)
-        self.thread.start()
-        return self
-
-    @staticmethod
-    def _rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def _watch(self):
-        while self.running:
-            self.peak = max(self.peak, self._rss())
-            time.sleep(0.002)
-
-    def __exit__(self, *exc):
-        self.running = False
-        self.thread.join()
-        self.mib = (self.peak - self.base) / 2**20
 
 
 def build(lora: bool) -> FluxTransformer2DModel:
@@ -130,7 +104,7 @@ def optimizer_step(call, params, optimizer, inputs, rank: int, world: int) -> No
 
 
 def bench_rank(rank: int, world: int, mode: str, lora: bool) -> dict:
-    with PeakRSS() as memory:
+    with PeakMemory() as memory:
         model = build(lora)
         call = parallelize_transformer(model, mode=mode, device="cpu", param_dtype=None)
         params = trainable_parameters(call)

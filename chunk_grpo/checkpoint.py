@@ -119,6 +119,14 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict, keep: int = 2) 
         if isinstance(err, RuntimeError) and "unexpected pos" not in str(err):
             raise
         raise _disk_full(root, needed, previous) from None
+    publish_checkpoint(tmp, final, keep)
+    return final
+
+
+def publish_checkpoint(tmp: Path, final: Path, keep: int) -> None:
+    """Rename a complete checkpoint directory into place, point `latest` at it and delete all
+    but the newest ``keep`` checkpoints: a crash at any point leaves an intact one."""
+    root = final.parent
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -126,7 +134,6 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict, keep: int = 2) 
     old = sorted(p for p in root.glob("step-*") if p.is_dir() and p != final)
     for stale in old[:max(0, len(old) - (keep - 1))]:
         shutil.rmtree(stale, ignore_errors=True)
-    return final
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import errno
 import json
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,11 +35,11 @@ from chunk_grpo.checkpoint import (
     MANIFEST,
     CheckpointError,
     DiskFullError,
-    _atomic_write_text,
     _disk_full,
     _sha256,
     find_resumable,
     latest_checkpoint,
+    publish_checkpoint,
     rng_state,
     set_rng_state,
     state_bytes,
@@ -142,13 +141,7 @@ def save_sharded_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Modu
     if _rank() == 0:
         manifest = {"step": step, "format": FORMAT, "world_size": _world(), "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _atomic_write_text(root / "latest", final.name + "\n")
-        old = sorted(p for p in root.glob("step-*") if p.is_dir() and p != final)
-        for stale in old[:max(0, len(old) - (keep - 1))]:
-            shutil.rmtree(stale, ignore_errors=True)
+        publish_checkpoint(tmp, final, keep)
     _barrier()
     return final
 
