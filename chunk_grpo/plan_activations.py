@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from chunk_grpo.plan_models import build_transformer, build_vae
+from chunk_grpo.policy_setup import resolve_lora_targets
 
 _CASTS = (torch.ops.aten._to_copy.default,)
 
@@ -201,7 +202,8 @@ def prepare_for_measurement(transformer: nn.Module, *, train: bool, gradient_che
         transformer.requires_grad_(False)
         _cast_parameters(transformer, precision.frozen)
         transformer.add_adapter(LoraConfig(r=adapters.rank, lora_alpha=adapters.rank,
-                                           target_modules=list(adapters.targets),
+                                           target_modules=resolve_lora_targets(
+                                               transformer, list(adapters.targets)),
                                            init_lora_weights="gaussian"))
         _cast_parameters(transformer, precision.trainable, trainable_only=True)
     else:
