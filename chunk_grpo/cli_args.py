@@ -19,6 +19,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+from chunk_grpo.errors import ConfigError
 from chunk_grpo.sampling_options import SAMPLERS, SDE_KINDS
 
 EMBEDDED_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "tiny-flux-shapes"
@@ -338,7 +339,7 @@ def quiet_third_party(verbose: bool = False) -> None:
 
 
 def check_writable_dir(path: str | Path, what: str) -> None:
-    """Raise ValueError unless ``path`` is, or can be created as, a writable directory; checked
+    """Raise ConfigError unless ``path`` is, or can be created as, a writable directory; checked
     before a command's work so that its results have somewhere to go."""
     path = Path(path)
     probe = path
@@ -347,7 +348,7 @@ def check_writable_dir(path: str | Path, what: str) -> None:
             break
         probe = probe.parent
     if not probe.is_dir():
-        raise ValueError(f"{what} {path}: {probe} is a file, not a directory; choose another path")
+        raise ConfigError(f"{what} {path}: {probe} is a file, not a directory; choose another path")
     if not os.access(probe, os.W_OK | os.X_OK):
-        raise ValueError(f"{what} {path}: {probe} is not writable (permission denied); choose a "
+        raise ConfigError(f"{what} {path}: {probe} is not writable (permission denied); choose a "
                          "writable directory")

@@ -15,21 +15,21 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from chunk_grpo.cli_args import credit_parser
+from chunk_grpo.cli import run_cli
+from chunk_grpo.cli_args import check_writable_dir, credit_parser
 from chunk_grpo.config import ConfigError
 from chunk_grpo.dynamics import reward_spread_by_step
+from chunk_grpo.models import FluxPolicy
+from chunk_grpo.models.sampling_defaults import apply_sampling_size
+from chunk_grpo.prompts import load_prompts
+from chunk_grpo.rewards import get_reward
 
 
 def main(argv: list[str] | None = None) -> dict[str, list[float]]:
-    from chunk_grpo.evaluate import _check_out
-    from chunk_grpo.models import FluxPolicy
-    from chunk_grpo.models.sampling_defaults import apply_sampling_size
-    from chunk_grpo.prompts import load_prompts
-    from chunk_grpo.rewards import get_reward
 
     args = credit_parser(__doc__).parse_args(argv)
     reward = get_reward(args.reward)  # first: a misspelt reward fails before the model loads
-    _check_out(args.out)
+    check_writable_dir(args.out, "--out")
     prompts = load_prompts(args.prompts_file)[:args.prompts]
     policy = FluxPolicy.from_pretrained(args.model)
     try:
@@ -53,6 +53,4 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
 
 
 if __name__ == "__main__":
-    from chunk_grpo.cli import run_cli
-
     run_cli(main, "chunk_grpo.credit")

@@ -18,10 +18,13 @@ import json
 import math
 from pathlib import Path
 
+from chunk_grpo.cli import run_cli
 from chunk_grpo.cli_args import check_writable_dir, evaluate_parser
 from chunk_grpo.config import ConfigError
 from chunk_grpo.evaluation import EvalResult, evaluate_policy
 from chunk_grpo.metrics import reward_captions, save_image_grid
+from chunk_grpo.models import FluxPolicy
+from chunk_grpo.models.sampling_defaults import apply_sampling_size
 from chunk_grpo.paired import SAMPLE_DECIMALS, paired_difference
 from chunk_grpo.prompts import PromptSet, check_prompts, load_prompt_set
 from chunk_grpo.rewards import build_reward, get_reward
@@ -46,22 +49,13 @@ def write_outputs(result: EvalResult, out_dir: str | Path, settings: dict, grid_
                     reward_captions(result.prompts[:k], result.rewards[:k]))
 
 
-def _check_out(out: str) -> None:
-    try:
-        check_writable_dir(out, "--out")
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-
-
 def main(argv: list[str] | None = None) -> EvalResult:
-    from chunk_grpo.models import FluxPolicy
-    from chunk_grpo.models.sampling_defaults import apply_sampling_size
 
     args = evaluate_parser().parse_args(argv)
     if args.hybrid_steps and args.hybrid_base is None:
         raise ConfigError("--hybrid-steps needs --hybrid-base (the base model for the rest)")
     scorer = build_reward(args.reward)  # first: a misspelt reward fails before the model loads
-    _check_out(args.out)
+    check_writable_dir(args.out, "--out")
     prompt_set = load_prompt_set(args.prompts)
     if args.max_prompts is not None:
         prompt_set = PromptSet(prompt_set.source, prompt_set.prompts[: args.max_prompts],
@@ -142,6 +136,4 @@ def main(argv: list[str] | None = None) -> EvalResult:
 
 
 if __name__ == "__main__":
-    from chunk_grpo.cli import run_cli
-
     run_cli(main, "chunk_grpo.evaluate")

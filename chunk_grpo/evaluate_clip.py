@@ -28,7 +28,10 @@ import torch.nn.functional as F
 from scipy.stats import spearmanr
 from transformers import AutoTokenizer, CLIPImageProcessor, CLIPModel
 
+from chunk_grpo.cli import run_cli
 from chunk_grpo.config import ConfigError
+from chunk_grpo.evaluation import evaluate_policy
+from chunk_grpo.models import EMBEDDED_MODEL, FluxPolicy
 from chunk_grpo.shapes import HELDOUT_PROMPTS_FILE, load_prompts
 from chunk_grpo.shapes.contrastive import ATTRIBUTES, CaptionedBatch, captioned_batch
 
@@ -140,8 +143,6 @@ def generator_correlation(clip: LoadedClip, model: str | Path, prompts: list[str
     correlation between the CLIP score and the `shapes` reward on those images: over all images,
     and (with several images per prompt) within each prompt's group, averaged over the prompts,
     which is the ranking a group-relative advantage sees."""
-    from chunk_grpo.evaluation import evaluate_policy
-    from chunk_grpo.models import FluxPolicy
 
     policy = FluxPolicy.from_pretrained(model)
     result = evaluate_policy(policy, prompts, reward="shapes", seed=seed,
@@ -177,7 +178,6 @@ def evaluate_clip(clip: LoadedClip, *, renders: int, group: int) -> dict[str, fl
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from chunk_grpo.models import EMBEDDED_MODEL
 
     p = argparse.ArgumentParser(prog="python -m chunk_grpo.evaluate_clip", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -210,6 +210,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    from chunk_grpo.cli import run_cli
-
     run_cli(main, "chunk_grpo.evaluate_clip")

@@ -31,6 +31,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from chunk_grpo.cli import run_cli
 from chunk_grpo.cli_args import check_writable_dir, pretrain_parser  # noqa: E402
 from chunk_grpo.config import ConfigError  # noqa: E402
 from chunk_grpo.models.latents import pack_latents  # noqa: E402
@@ -216,6 +217,4 @@ def run(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    from chunk_grpo.cli import run_cli
-
     run_cli(main, "chunk_grpo.pretrain")

@@ -35,6 +35,7 @@ import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel  # noqa: E402
 
+from chunk_grpo.cli import run_cli
 from chunk_grpo.config import ConfigError  # noqa: E402
 from chunk_grpo.evaluate_clip import (  # noqa: E402
     embed_images,
@@ -329,6 +330,4 @@ def run(args: argparse.Namespace) -> dict:
 
 
 if __name__ == "__main__":
-    from chunk_grpo.cli import run_cli
-
     run_cli(main, "chunk_grpo.pretrain_clip")

@@ -12,20 +12,20 @@ from __future__ import annotations
 from pathlib import Path
 
 from chunk_grpo.chunking import ChunkLayout
-from chunk_grpo.cli_args import profile_parser
+from chunk_grpo.cli import run_cli
+from chunk_grpo.cli_args import check_writable_dir, profile_parser
 from chunk_grpo.config import ConfigError
 from chunk_grpo.dynamics import measure_dynamics, propose_chunks, save_profile
+from chunk_grpo.models import FluxPolicy
+from chunk_grpo.models.sampling_defaults import apply_sampling_size
+from chunk_grpo.prompts import load_prompts
 from chunk_grpo.schedule import flux_sigmas
 
 
 def main(argv: list[str] | None = None) -> ChunkLayout:
-    from chunk_grpo.evaluate import _check_out
-    from chunk_grpo.models import FluxPolicy
-    from chunk_grpo.models.sampling_defaults import apply_sampling_size
-    from chunk_grpo.prompts import load_prompts
 
     args = profile_parser(__doc__).parse_args(argv)
-    _check_out(args.out)
+    check_writable_dir(args.out, "--out")
     prompts = load_prompts(args.prompts_file)[:args.prompts]
     policy = FluxPolicy.from_pretrained(args.model)
     try:
@@ -51,6 +51,4 @@ def main(argv: list[str] | None = None) -> ChunkLayout:
 
 
 if __name__ == "__main__":
-    from chunk_grpo.cli import run_cli
-
     run_cli(main, "chunk_grpo.profile")
