@@ -26,7 +26,7 @@ def loaded_base(model_dir):
 
 
 def _images(policy, base=None, steps=HYBRID):
-    return generate(policy, PROMPTS, num_steps=STEPS, generator=torch.Generator().manual_seed(0),
+    return generate(policy, PROMPTS, num_steps=STEPS, seed=0,
                     hybrid_base=base, hybrid_steps=steps if base is not None else 0)
 
 

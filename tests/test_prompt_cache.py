@@ -57,7 +57,7 @@ def test_the_key_follows_the_encoders_length_and_dtype(model_dir, tmp_path):
     base = PromptCache.for_policy(FluxPolicy.from_pretrained(model_dir), str(tmp_path))
     assert base.directory.parent == tmp_path
     shorter = FluxPolicy.from_pretrained(model_dir)
-    shorter.max_sequence_length = 8
+    shorter.max_sequence_length = shorter.max_sequence_length // 2
     bf16 = FluxPolicy.from_pretrained(model_dir, frozen_dtype=torch.bfloat16)
     other_weights = FluxPolicy.from_pretrained(
         save_tiny_flux(tmp_path / "seed1", WORDS, seed=1))
