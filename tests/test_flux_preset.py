@@ -83,15 +83,19 @@ def preset_overrides(tmp_path: Path, model: Path, reward: str, out: Path) -> lis
         "--group-size", "4",  # the preset's 12 triples the rollouts and the training calls
         # The preset's 2 optimizer steps per iteration at 8 rollouts instead of 24: 8 / 4 = 2
         # micro-batches (each one call over its 2 trained chunks), a step after each (the
-        # preset: 24 / 2 = 12 micro-batches, a step every 6).
+        # preset: 24 / 1 = 24 micro-batches, a step every 12).
         "--micro-batch-size", "4", "--grad-accum", "1",
         "--eval-images", "2", "--final-eval-images", "2",  # the preset's 400 each
         "--progress", "false",
+        "--prompt-cache-dir", str(tmp_path / "prompt-cache"),  # not the user's ~/.cache
     ]
 
 
 @pytest.mark.slow
-def test_flux_dev_preset_runs_one_iteration_on_cpu(tmp_path):
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_flux_dev_preset_runs_one_iteration_on_cpu(tmp_path, ranks):
+    """One process, and 2 gloo ranks under torchrun with the preset's FSDP2 (each rank its 2
+    prompts, the shards, a sharded checkpoint, the evaluation split and the gathered export)."""
     model = save_flux_dev_shaped(tmp_path / "flux-dev-shaped")
     assert not (model / CONFIG_NAME).exists()
     hpsv3_dir = tmp_path / "hpsv3"
@@ -99,13 +103,15 @@ def test_flux_dev_preset_runs_one_iteration_on_cpu(tmp_path):
     save_tiny_hpsv3(hpsv3_dir)
     reward = write_reward_module(tmp_path, hpsv3_dir)
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "chunk_grpo.train", "--config", str(PRESET),
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"] \
+        if ranks == 2 else []
+    command = [sys.executable, *launcher, "-m", "chunk_grpo.train", "--config", str(PRESET),
                *preset_overrides(tmp_path, model, reward, out)]
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO),
                                            os.environ.get("PYTHONPATH", "")]))
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=300)
+                            timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
 
     # The preset's settings reached the run, the overrides only where given.
@@ -125,6 +131,7 @@ def test_flux_dev_preset_runs_one_iteration_on_cpu(tmp_path):
     for key in ("reward_mean", "loss", "grad_norm"):
         assert math.isfinite(records[0][key]), (key, records[0][key])
     assert latest_checkpoint(out) is not None
+    assert (latest_checkpoint(out) / "shards").is_dir() == (ranks == 2)  # DCP shards per rank
     exported = json.loads((out / "final_model" / "transformer" / "config.json").read_text())
     assert exported["guidance_embeds"] and exported["in_channels"] == 64
     vae = json.loads((out / "final_model" / "vae" / "config.json").read_text())
