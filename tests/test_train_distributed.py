@@ -16,7 +16,6 @@ from safetensors.torch import load_file
 from trainer_utils import tiny_config, tiny_model_dir
 
 from chunk_grpo.config import save_config
-from chunk_grpo.train import main, run
 
 pytestmark = pytest.mark.slow  # each torchrun job starts 2 Python processes
 
@@ -33,12 +32,17 @@ def _config(model: Path, out: Path, **overrides):
     return tiny_config(model, out, **{**settings, **overrides})
 
 
-def _torchrun(*flags: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "chunk_grpo.train", *flags]
+def _train(ranks: int, *flags: str) -> str:
+    """`python -m chunk_grpo.train` on one process or under torchrun on ``ranks`` gloo ranks;
+    returns its stdout. Every process runs 1 thread: the thread count changes the float
+    reduction order of the model's matmuls, and the rewards compared here would see it."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                str(ranks)] if ranks > 1 else []
+    cmd = [sys.executable, *launcher, "-m", "chunk_grpo.train", *flags]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
 
 
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -69,8 +73,9 @@ def _assert_same_run(ours: Path, reference: Path) -> None:
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
     model = tiny_model_dir(root)
-    reference = run(_config(model, root / "one", prompts_per_step=4))  # 16 rows, 1 process
-    return root, model, reference
+    save_config(_config(model, root / "one", prompts_per_step=4), root / "one.yaml")
+    _train(1, "--config", str(root / "one.yaml"))  # 16 rows, 1 process
+    return root, model, root / "one"
 
 
 @pytest.mark.parametrize("mode", ["fsdp", "ddp"])
@@ -78,27 +83,25 @@ def test_two_ranks_train_what_one_process_trains(setup, mode):
     root, model, reference = setup
     config_file = root / f"{mode}.yaml"
     save_config(_config(model, root / mode, prompts_per_step=2, parallelism=mode), config_file)
-    _torchrun("--config", str(config_file))
+    _train(2, "--config", str(config_file))
     _assert_same_run(root / mode, reference)
     if mode == "fsdp":  # its checkpoints are sharded: one directory of DCP shards per step
         latest = root / mode / "checkpoints" / "step-00000002"
         assert (latest / "shards").is_dir() and not (latest / "state.pt").exists()
 
 
-def test_a_two_rank_checkpoint_resumes_on_one_process_and_on_two(setup, capsys):
+def test_a_two_rank_checkpoint_resumes_on_one_process_and_on_two(setup):
     root, model, reference = setup
     config_file = root / "stop.yaml"
     save_config(_config(model, root / "stop", prompts_per_step=2, parallelism="fsdp",
                         max_steps=1), config_file)
-    _torchrun("--config", str(config_file))
+    _train(2, "--config", str(config_file))
     for where in ("one", "two"):
         resumed = root / f"resumed-{where}"
         subprocess.run(["cp", "-r", str(root / "stop"), str(resumed)], check=True)
+        out = _train(1 if where == "one" else 2, "--resume", str(resumed), "--max-steps", "2")
         if where == "one":
-            main(["--resume", str(resumed), "--max-steps", "2"])
-            assert "resuming a 2-rank checkpoint on 1 rank(s)" in capsys.readouterr().out
-        else:
-            _torchrun("--resume", str(resumed), "--max-steps", "2")
+            assert "resuming a 2-rank checkpoint on 1 rank(s)" in out
         wa, wb = _weights(resumed), _weights(reference)
         for key in wa:
             torch.testing.assert_close(wa[key].float(), wb[key].float(), atol=WEIGHT_ATOL,
