@@ -14,8 +14,6 @@ import torch
 
 from chunk_grpo.noise import initial_noise, step_noise
 from chunk_grpo.rollout import Rollout, decode_images, denoise, prepare_rollout
-from chunk_grpo.specs import GranularityError as GranularityError  # re-exported
-from chunk_grpo.specs import parse_granularities as parse_granularities  # re-exported
 
 
 def tail_sigmas(sigmas: torch.Tensor, start: int, stride: int) -> torch.Tensor:

@@ -13,9 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from chunk_grpo.specs import ChunkSpecError as ChunkSpecError  # re-exported
-from chunk_grpo.specs import chunk_sizes
-from chunk_grpo.specs import trained_transitions as trained_transitions  # re-exported
+from chunk_grpo.specs import ChunkSpecError, chunk_sizes
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,6 @@ import torch
 from tqdm.auto import tqdm
 
 import grpo_kernels
-from chunk_grpo.chunking import trained_transitions
 from chunk_grpo.noise import check_row_offset, initial_noise, step_noise
 from chunk_grpo.precision import resolve_mixed_precision
 from chunk_grpo.sampling_options import (
@@ -26,6 +25,7 @@ from chunk_grpo.sampling_options import (
     resolve_cfg_scale,
 )
 from chunk_grpo.schedule import flux_sigmas
+from chunk_grpo.specs import trained_transitions
 
 
 @dataclass

@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from chunk_grpo import distributed as D
 from chunk_grpo.advantages import multi_granularity_advantages, per_reward_advantages
-from chunk_grpo.branching import parse_granularities, sample_branch_rollouts
+from chunk_grpo.branching import sample_branch_rollouts
 from chunk_grpo.checkpoint import (
     DiskFullError,
     latest_checkpoint,
@@ -63,6 +63,7 @@ from chunk_grpo.rewards.outputs import RewardError
 from chunk_grpo.rollout import Rollout, sample_rollouts
 from chunk_grpo.run_lock import RunLock
 from chunk_grpo.scoring import RolloutScorer, constant_within_groups
+from chunk_grpo.specs import parse_granularities
 from chunk_grpo.trainer_checkpoint import (
     NonFiniteWeights,
     config_for_world,

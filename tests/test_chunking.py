@@ -5,12 +5,12 @@ import torch
 
 from chunk_grpo.chunking import (
     ChunkLayout,
-    ChunkSpecError,
     parse_chunk_spec,
     relative_change,
     segment_by_dynamics,
     select_chunks,
 )
+from chunk_grpo.specs import ChunkSpecError
 
 
 @pytest.mark.parametrize(

@@ -9,12 +9,7 @@ from trainer_utils import Killed, tiny_config, tiny_model_dir, without_times
 import grpo_kernels
 from chunk_grpo import distributed as D
 from chunk_grpo.advantages import group_advantages, multi_granularity_advantages
-from chunk_grpo.branching import (
-    GranularityError,
-    parse_granularities,
-    sample_branch_rollouts,
-    tail_sigmas,
-)
+from chunk_grpo.branching import sample_branch_rollouts, tail_sigmas
 from chunk_grpo.checkpoint import load_checkpoint
 from chunk_grpo.config import ConfigError
 from chunk_grpo.metrics import read_metrics
@@ -22,6 +17,7 @@ from chunk_grpo.models import FluxPolicy
 from chunk_grpo.noise import initial_noise
 from chunk_grpo.rollout import denoise
 from chunk_grpo.schedule import flux_sigmas
+from chunk_grpo.specs import GranularityError, parse_granularities
 from chunk_grpo.train import run, train_iteration
 from chunk_grpo.trainer_setup import build_trainer, optimizer_steps_per_iter
 

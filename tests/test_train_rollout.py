@@ -96,7 +96,7 @@ def test_sde_generation_does_not_depend_on_the_batch_split(policies):
 
 
 def test_trained_transitions():
-    from chunk_grpo.chunking import trained_transitions
+    from chunk_grpo.specs import trained_transitions
 
     assert trained_transitions(10) == 9 and trained_transitions(10, 3) == 3
     assert trained_transitions(10, 10) == 9

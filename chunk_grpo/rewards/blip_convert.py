@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from chunk_grpo.rewards.model_files import assign_state_dict
+
 if TYPE_CHECKING:  # imported when used: transformers' models take seconds to import
     from transformers import BlipTextModel, BlipVisionModel
 
@@ -188,17 +190,7 @@ def _filled(cls, config, state: dict[str, torch.Tensor], **kwargs):
     config._attn_implementation = "eager"  # BLIP's own attention code; the same on every device
     with torch.device("meta"):
         model = cls(config, **kwargs)
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        raise BlipConversionError(f"the checkpoint lacks weights for {missing[:6]}")
-    extra = sorted(set(state) - set(expected))
-    if extra:
-        raise BlipConversionError(f"weights {cls.__name__} has no place for: {extra[:6]}")
-    wrong = [k for k, v in state.items() if tuple(v.shape) != tuple(expected[k].shape)]
-    if wrong:
-        raise BlipConversionError(f"weights of unexpected shape: {wrong[:6]}")
-    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True, assign=True)
+    assign_state_dict(model, state, BlipConversionError)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
             if t.is_meta and n != "embeddings.position_ids"]
     if left:

@@ -152,3 +152,21 @@ def load_state_dict_file(path: os.PathLike, reward: str, kind: str = "state dict
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise RewardLoadError(f"reward {reward!r}: {path} holds no {kind}")
     return state
+
+
+def assign_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor],
+                      error: type[Exception]) -> None:
+    """Fill ``model`` (built on the meta device) by assignment from ``state`` in fp32, after
+    checking that every tensor it needs is there, nothing is left over and every shape fits;
+    a mismatch is ``error`` naming up to six keys (a converted checkpoint must match exactly)."""
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise error(f"the checkpoint lacks weights for {missing[:6]}")
+    extra = sorted(set(state) - set(expected))
+    if extra:
+        raise error(f"weights {type(model).__name__} has no place for: {extra[:6]}")
+    wrong = [k for k, v in state.items() if tuple(v.shape) != tuple(expected[k].shape)]
+    if wrong:
+        raise error(f"weights of unexpected shape: {wrong[:6]}")
+    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True, assign=True)

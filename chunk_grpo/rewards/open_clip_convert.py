@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from chunk_grpo.rewards.model_files import assign_state_dict
+
 if TYPE_CHECKING:  # imported when used: transformers' models take seconds to import
     from transformers import CLIPConfig, CLIPModel
 
@@ -161,15 +163,8 @@ def clip_model_from_open_clip(state: dict[str, torch.Tensor], **config_kwargs) -
     converted = convert_open_clip_state_dict(state)
     with torch.device("meta"):
         model = CLIPModel(config)
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(converted))
-    if missing:
-        raise OpenClipConversionError(f"the state dict lacks weights for {missing[:6]}")
-    wrong = [k for k, v in converted.items() if tuple(v.shape) != tuple(expected[k].shape)]
-    if wrong:
-        raise OpenClipConversionError(f"weights of unexpected shape: {wrong[:6]}")
     # Built on the meta device and filled by assignment: a ViT-H is not initialised for nothing.
-    model.load_state_dict({k: v.float() for k, v in converted.items()}, strict=True, assign=True)
+    assign_state_dict(model, converted, OpenClipConversionError)
     for tower in (model.vision_model, model.text_model):  # non-persistent buffers: rebuild
         embeddings = tower.embeddings
         count = embeddings.position_embedding.weight.shape[0]
