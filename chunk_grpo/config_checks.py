@@ -98,6 +98,10 @@ def check_config(cfg: TrainConfig, name: Callable[[str], str]) -> None:
                           "with the adapters disabled")
     if cfg.run.max_minutes < 0:
         raise ConfigError(f"{name('run.max_minutes')} must be >= 0")
+    if not cfg.parallel.timeout_minutes > 0:
+        raise ConfigError(f"{name('parallel.timeout_minutes')} must be > 0 minutes (how long "
+                          f"ranks wait for each other), got {cfg.parallel.timeout_minutes}; "
+                          "e.g. 60")
     _check_specs(cfg, name)
 
 

@@ -152,28 +152,32 @@ def sync_gradients(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
         yield
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """Scale the gradients to a global L2 norm of at most ``max_norm``; returns the norm before
-    clipping. Under FSDP each rank holds gradient shards: the norm is taken over all of them
-    (the same number on every rank, and the one a single process computes); NaN/Inf if any
-    gradient is not finite."""
+    clipping, a 0-d tensor on the gradients' device (not read back: no host sync). Under FSDP
+    each rank holds gradient shards: the norm is taken over all of them (the same number on
+    every rank, and the one a single process computes); NaN/Inf if any gradient is not
+    finite."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
-        return 0.0
+        return torch.zeros(())
     total = torch.nn.utils.get_total_norm(grads, 2.0)
     if isinstance(total, DTensor):
         total = total.full_tensor()  # the sum of the shards' squares, across ranks
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return float(total)
+    return total
 
 
-def any_rank(flag: bool, device: torch.device | str = "cpu") -> bool:
-    """True on every rank when ``flag`` is True on any rank (e.g. a non-finite loss), so all
-    ranks skip the same optimizer step."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return flag
-    value = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+def any_rank(flag: bool | torch.Tensor, device: torch.device | str = "cpu") -> bool:
+    """True on every rank when ``flag`` (a bool, or a bool/0-1 tensor, e.g. a device flag of a
+    non-finite loss) is True on any rank, so all ranks skip the same optimizer step. One
+    all-reduce and one host read."""
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    if not distributed and not isinstance(flag, torch.Tensor):
+        return bool(flag)
+    value = torch.as_tensor(flag, device=device).to(torch.float32).reshape(1)
+    if distributed:
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return bool(value.item() > 0)
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -136,7 +135,8 @@ def collect_batch(tr: Trainer, step: int, timer: _PhaseTimer | None = None, *,
                   kind=sampling.sde, eta=sampling.eta, cfg_scale=tr.cfg_scale, seed=seed,
                   step=step, row_offset=info.rank * len(prompts) * sampling.group_size,
                   batch_size=sampling.batch_size, antithetic_noise=sampling.antithetic_noise,
-                  decode=sampling.decode, mixed_precision=cfg.model.mixed_precision)
+                  decode=sampling.decode, mixed_precision=cfg.model.mixed_precision,
+                  validate=False)  # the config is checked: the kernels skip their host reads
     with RolloutScorer(tr.reward_fn, overlap=cfg.reward.overlap) as scorer:
         with timer("rollout"):
             if g2rpo:
@@ -203,14 +203,16 @@ def collect_batch(tr: Trainer, step: int, timer: _PhaseTimer | None = None, *,
     return Batch(rollout, advantages.to(info.device), units, metrics)
 
 
-def optimizer_step(tr: Trainer, nonfinite: bool, record: UpdateRecord) -> None:
+def optimizer_step(tr: Trainer, nonfinite: torch.Tensor | bool, record: UpdateRecord) -> None:
     """The step at an accumulation boundary (the gradients are already averaged across ranks
     by DDP or FSDP): clip their global norm, step the optimizer, the schedule and the EMA, or
     skip the step when a loss or the gradient is NaN/Inf on any rank (all ranks alike), and
-    zero the gradients."""
-    nonfinite = any_rank(nonfinite, tr.info.device)
+    zero the gradients. The skip decision is the step's one host read: the loss flag and the
+    norm's finiteness, combined on the device and across ranks in one all-reduce."""
     norm = clip_grad_norm(tr.params, tr.cfg.optim.max_grad_norm)
-    if nonfinite or not math.isfinite(norm):
+    bad = torch.as_tensor(nonfinite, device=tr.info.device) | ~torch.isfinite(
+        norm.to(tr.info.device))
+    if any_rank(bad, tr.info.device):
         record.skipped_steps += 1
     else:
         tr.optimizer.step()
@@ -218,7 +220,7 @@ def optimizer_step(tr: Trainer, nonfinite: bool, record: UpdateRecord) -> None:
         if tr.ema is not None:
             tr.ema.update()
         record.optimizer_steps += 1
-        record.grad_norms.append(norm)
+        record.note_grad_norm(norm)
     tr.optimizer.zero_grad(set_to_none=True)
 
 
@@ -292,7 +294,7 @@ def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = F
     # Before the run directory: a bad prompt file, a misspelt or failing reward or a bad model
     # path leaves nothing behind.
     prompt_sets = read_prompt_sets(cfg)
-    info = D.init_distributed(cfg.run.device)
+    info = D.init_for_config(cfg)
     if info.device.type == "cuda":  # the memory plan, before a weight is loaded
         check_plan(cfg, info.world_size, torch.cuda.get_device_properties(info.device).total_memory)
     reward_fn = resolve_reward(cfg, info.device)

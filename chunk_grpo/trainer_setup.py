@@ -97,7 +97,8 @@ class Trainer:
                             clip_low=loss.clip_low, clip_high=loss.clip_high,
                             kl_coef=loss.kl_coef, kl_ref=loss.kl_ref,
                             mixed_precision=self.cfg.model.mixed_precision,
-                            ppo_epochs=optim.ppo_epochs, grad_accum=optim.grad_accum)
+                            ppo_epochs=optim.ppo_epochs, grad_accum=optim.grad_accum,
+                            validate=False)  # the config is checked: no host syncs
 
 
 # ----------------------------------------------------------------------------- inputs
