@@ -272,6 +272,8 @@ EARLY_PARSERS: dict[str, Callable[[list[str]], object]] = {
     "chunk_grpo.train": _parse_train,
     "chunk_grpo.gradient_snr": _parse_gradient_snr,
     "chunk_grpo.plan": _parse_plan,
+    "chunk_grpo.cache_prompts": lambda argv: _parse_train(
+        argv, prog="python -m chunk_grpo.cache_prompts"),
     "chunk_grpo.evaluate": lambda argv: evaluate_parser().parse_args(argv),
     "chunk_grpo.credit": lambda argv: credit_parser().parse_args(argv),
     "chunk_grpo.profile": lambda argv: profile_parser().parse_args(argv),

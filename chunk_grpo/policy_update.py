@@ -91,11 +91,13 @@ def unit_steps(unit: TrainUnit, chunk_steps: list[list[int]]) -> list[int]:
 
 def chunk_logprobs(policy, rollout: Rollout, prompt_embeds, rows: torch.Tensor,
                    steps: list[int], *, kind: str, eta: float, cfg_scale: float,
-                   mixed_precision: str = "no", validate: bool = True) -> torch.Tensor:
+                   mixed_precision: str = "no", validate: bool = True,
+                   sigma_max: float | None = None) -> torch.Tensor:
     """Log-probs [m, c] of the stored transitions x_t -> x_{t+1}, t in ``steps``, for ``rows``.
 
     One transformer call with m * c rows (sample-major), each at its own sigma. ``validate``:
-    the kernel's value checks (a host sync).
+    the kernel's value checks (a host sync). ``sigma_max``: the schedule's s_1 (default read
+    from ``rollout.sigmas``).
     """
     m, c = rows.numel(), len(steps)
     device = rollout.latents.device
@@ -108,7 +110,8 @@ def chunk_logprobs(policy, rollout: Rollout, prompt_embeds, rows: torch.Tensor,
     with autocast_context(x.device, mixed_precision):
         v = policy.velocity(x, sigma, embeds, cfg_scale=cfg_scale)
     logp = grpo_kernels.sde_step_logprob(x, v, x_next, sigma, sigma_next, eta=eta, kind=kind,
-                                         sigma_max=float(rollout.sigmas[1]),
+                                         sigma_max=float(rollout.sigmas[1]) if sigma_max is None
+                                         else sigma_max,
                                          validate=validate)
     return logp.view(m, c)
 
@@ -253,13 +256,14 @@ def accumulate_gradients(policy, rollout: Rollout, prompt_embeds, advantages: to
     step_after = optimizer_step_after(len(units), settings.grad_accum)
     weights = row_weights(units, step_after)
     first_boundary = step_after.index(True)
+    sigma_max = float(rollout.sigmas[1])  # read once, not per unit
 
     def logprobs(unit: TrainUnit) -> torch.Tensor:
         return chunk_logprobs(policy, rollout, prompt_embeds, unit.rows,
                               unit_steps(unit, chunk_steps), kind=settings.kind, eta=settings.eta,
                               cfg_scale=settings.cfg_scale,
                               mixed_precision=settings.mixed_precision,
-                              validate=settings.validate)
+                              validate=settings.validate, sigma_max=sigma_max)
 
     # Old log-probs of units trained after the policy may first move, taken before it moves.
     snapshot: dict[int, torch.Tensor] = {}

@@ -17,7 +17,7 @@ import torch
 from chunk_grpo import distributed as D
 from chunk_grpo.chunking import ChunkLayout, parse_chunk_spec
 from chunk_grpo.config import ConfigError, TrainConfig
-from chunk_grpo.dynamics import measure_dynamics, propose_chunks, save_profile
+from chunk_grpo.dynamics import propose_chunks, save_profile, shared_dynamics
 from chunk_grpo.hybrid_base import FrozenTransformerBase, hybrid_base
 from chunk_grpo.metrics import MetricsLogger
 from chunk_grpo.models import EMBEDDED_MODEL, FluxPolicy
@@ -196,19 +196,21 @@ def load_checked_policy(cfg: TrainConfig, device: torch.device) -> FluxPolicy:
 def resolve_layout(cfg: TrainConfig, policy: FluxPolicy, prompts: list[str], run_dir: Path,
                    info: D.DistInfo) -> tuple[ChunkLayout, torch.Tensor | None]:
     """The run's fixed chunk layout; "auto" (or weighted sampling) measures the profile on the
-    first training prompts. G2RPO trains one branch step per iteration: its layout is step
-    level, chunk j = step j."""
+    first training prompts, once for the job (`shared_dynamics`; rank 0 saves it). G2RPO
+    trains one branch step per iteration: its layout is step level, chunk j = step j."""
     if cfg.sampling.algorithm == "g2rpo":
         layout = ChunkLayout((1,) * cfg.num_trained)
     else:
         layout = parse_chunk_spec(cfg.chunks.spec, cfg.num_trained, cfg.chunks.size)
     curve = None
     if layout is None or cfg.chunks.weighted:
-        curve = measure_dynamics(policy, prompts[:cfg.chunks.profile_prompts],
-                                 num_steps=cfg.sampling.steps,
-                                 shift=sampling_shift(cfg, policy),
-                                 cfg_scale=cfg.sampling.cfg_scale, seed=cfg.run.seed,
-                                 batch_size=cfg.sampling.batch_size)
+        # Once for the job, under the run's autocast (FSDP: the ranks split the prompts).
+        curve = shared_dynamics(policy, prompts[:cfg.chunks.profile_prompts], info=info,
+                                sharded=cfg.parallel.mode == "fsdp",
+                                num_steps=cfg.sampling.steps, shift=sampling_shift(cfg, policy),
+                                cfg_scale=cfg.sampling.cfg_scale, seed=cfg.run.seed,
+                                batch_size=cfg.sampling.batch_size,
+                                mixed_precision=cfg.model.mixed_precision)
         if layout is None:
             layout = propose_chunks(curve, cfg.chunks.max_size, cfg.num_trained)
         if info.is_main:

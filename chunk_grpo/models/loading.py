@@ -111,11 +111,14 @@ def load_flux_pipeline(
     *,
     dtype: torch.dtype | dict[str, torch.dtype] = torch.float32,
     device: str | torch.device = "cpu",
+    skip: tuple[str, ...] = (),
 ) -> FluxPipeline:
     """Load a FLUX diffusers pipeline from a local directory or a hub id, and check it.
 
     ``dtype``: one for every component, or per component as diffusers takes it, e.g.
-    ``{"transformer": torch.float32, "default": torch.bfloat16}``."""
+    ``{"transformer": torch.float32, "default": torch.bfloat16}``. ``skip``: components not
+    to load (None in the pipeline), e.g. ``("transformer", "vae")`` for the text encoders only."""
+    skipped = {name: None for name in skip}
     _follow_progress_bar_setting()
     name = os.fspath(path_or_id)
     local = Path(name).expanduser()
@@ -123,7 +126,8 @@ def load_flux_pipeline(
         _check_local_directory(local)
         source = str(local)
         try:
-            pipeline = FluxPipeline.from_pretrained(local, dtype=dtype, local_files_only=True)
+            pipeline = FluxPipeline.from_pretrained(local, dtype=dtype, local_files_only=True,
+                                                    **skipped)
         except (OSError, ValueError) as err:
             raise ModelLoadError(
                 f"could not load the pipeline in {local}: {err}\n" + _download_hint(str(local))
@@ -134,7 +138,8 @@ def load_flux_pipeline(
         source = name
         offline = bool(constants.HF_HUB_OFFLINE)
         try:
-            pipeline = FluxPipeline.from_pretrained(name, dtype=dtype, local_files_only=offline)
+            pipeline = FluxPipeline.from_pretrained(name, dtype=dtype, local_files_only=offline,
+                                                    **skipped)
         except (OSError, ValueError) as err:
             why = (
                 "HF_HUB_OFFLINE is set and it is not in the local Hugging Face cache "
