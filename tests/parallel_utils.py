@@ -89,10 +89,10 @@ def train(call, params: list, rank: int, world: int, sizes: dict = TINY, *,
             with sync_gradients(call, enabled=k == micro - 1):
                 (loss_of(call, batch, slice(start, start + MICRO_ROWS)) / micro).backward()
         norm = clip_grad_norm(params, MAX_NORM)
-        if not any_rank(not torch.isfinite(torch.tensor(norm)).item()):
+        if not any_rank(~torch.isfinite(norm)):
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        norms.append(norm)
+        norms.append(float(norm))
     return norms
 
 
