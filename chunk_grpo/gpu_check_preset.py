@@ -20,7 +20,8 @@ Measured: the CUDA allocator's peak (`torch.cuda.max_memory_allocated`) during t
 (loading, prompt caching, building the trainer) and during the iteration, against the memory
 plan of this exact config (`plan_for_config` at world size 1 and the GPU's memory); the
 trainer's own seconds per phase (its `time/*` metrics); and the host syncs of the iteration,
-counted with `torch.cuda.set_sync_debug_mode("warn")` by call site. The result is DIR/result.json.
+counted with `torch.cuda.set_sync_debug_mode("warn")` by call site. The result is DIR/result.json
+(the model, checkpoints and export are deleted afterwards; the run's logs and metrics stay).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -225,6 +227,10 @@ def run(out: Path, config: Path) -> dict:
                              f"({100 * result['plan_vs_measured']:+.0f}%), iteration "
                              f"{result['iteration_seconds']:.0f} s, "
                              f"{result['host_syncs']['count']} host syncs")
+    if "error" in result and "iteration_peak_bytes" in result:
+        result["error"] = f"after the measured iteration: {result['error']}"
+    for bulky in (out / "model", out / "run" / "checkpoints", out / "run" / "final_model"):
+        shutil.rmtree(bulky, ignore_errors=True)  # GBs of random weights; the logs stay
     (out / "result.json").write_text(json.dumps(result, indent=1, default=str))
     return result
 

@@ -188,3 +188,13 @@ def test_benchmark_tensors_live_on_the_given_device():
     assert all(t.device == meta for t in kb.latents((2, 8, 4), torch.bfloat16, meta))
     assert kb.backends(torch.device("cuda")) == ["reference", "triton"]
     assert kb.backends(torch.device("cpu")) == ["reference", "cpu_fused"]
+
+
+def test_flash_attention_is_skipped_with_the_install_hint_when_absent():
+    from chunk_grpo.gpu_check_attention import check
+
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash-attn is installed")
+    status, reason, details = check()
+    assert (status, details) == ("skipped", {})
+    assert "--no-build-isolation" in reason
