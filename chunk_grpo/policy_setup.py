@@ -100,8 +100,12 @@ def load_trainable_state_dict(transformer: torch.nn.Module, state: dict[str, tor
             params[name].copy_(value)
 
 
-def merged_transformer(transformer: torch.nn.Module) -> torch.nn.Module:
-    """A plain copy of the transformer with any LoRA merged into its weights."""
+def merged_transformer(transformer: torch.nn.Module, copy_weights: bool = True
+                       ) -> torch.nn.Module:
+    """A plain copy of the transformer with any LoRA merged into its weights (without LoRA and
+    with ``copy_weights`` False: the transformer itself, for a caller that owns it)."""
+    if not copy_weights and not uses_lora(transformer):
+        return transformer
     model = copy.deepcopy(transformer)
     if not uses_lora(model):
         return model
@@ -118,9 +122,11 @@ def merged_transformer(transformer: torch.nn.Module) -> torch.nn.Module:
 
 
 def export_pipeline(pipeline, transformer: torch.nn.Module, out_dir: str | Path,
-                    defaults=None, dtype: torch.dtype | None = None) -> Path:
+                    defaults=None, dtype: torch.dtype | None = None,
+                    copy_weights: bool = True) -> Path:
     """Save ``pipeline`` with ``transformer`` (LoRA merged, then cast to ``dtype`` if given,
-    e.g. bf16 for FLUX.1-dev's own format) as a diffusers directory.
+    e.g. bf16 for FLUX.1-dev's own format) as a diffusers directory. ``copy_weights`` False
+    casts ``transformer`` itself (a gathered copy the caller drops): no second copy in memory.
 
     ``defaults`` (the model's SamplingDefaults) is saved with it, so evaluation samples the
     exported model exactly as the base. Written to a temporary directory, then moved into place.
@@ -129,7 +135,7 @@ def export_pipeline(pipeline, transformer: torch.nn.Module, out_dir: str | Path,
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    plain = merged_transformer(transformer).eval()
+    plain = merged_transformer(transformer, copy_weights).eval()
     if dtype is not None:
         plain = plain.to(dtype)
     original = pipeline.transformer

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +56,7 @@ from chunk_grpo.config import (
 from chunk_grpo.memory_plan import check_plan
 from chunk_grpo.metrics import reward_captions, save_image_grid
 from chunk_grpo.parallelize import any_rank, clip_grad_norm, sync_gradients
+from chunk_grpo.phase_memory import PhaseMemory, active_phase, current
 from chunk_grpo.policy_update import TrainUnit, UpdateRecord, accumulate_gradients, plan_units
 from chunk_grpo.precision import resolve_mixed_precision
 from chunk_grpo.prompt_cache import setup_text_encoders
@@ -95,7 +97,8 @@ class _PhaseTimer:
     @contextlib.contextmanager
     def __call__(self, name: str):
         start = time.perf_counter()
-        yield
+        with active_phase(name):  # its peak memory too, when the run records phases
+            yield
         self.seconds[f"time/{name}"] = time.perf_counter() - start
 
 
@@ -297,13 +300,21 @@ def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = F
     info = D.init_for_config(cfg)
     if info.device.type == "cuda":  # the memory plan, before a weight is loaded
         check_plan(cfg, info.world_size, torch.cuda.get_device_properties(info.device).total_memory)
-    reward_fn = resolve_reward(cfg, info.device)
-    policy = load_checked_policy(cfg, info.device)
+    with PhaseMemory(info.device).activate() as memory:  # each phase's peak, for phases.json
+        return _run(cfg, info, prompt_sets, memory, run_dir, resume, on_step_end)
+
+
+def _run(cfg: TrainConfig, info: D.DistInfo, prompt_sets: PromptSets, memory: PhaseMemory,
+         run_dir: str | Path | None, resume: bool, on_step_end) -> Path:
+    with memory.phase("load"):
+        reward_fn = resolve_reward(cfg, info.device)
+        policy = load_checked_policy(cfg, info.device)
     check_prompt_sets(prompt_sets, policy, reward_fn)
     # text_encoders: cache -> every prompt embedded once (on disk), the encoders freed
-    setup_text_encoders(policy, cfg.model.text_encoders,
-                        [p for _, s in prompt_sets.items() for p in s.prompts],
-                        cfg.model.prompt_cache_dir, info, progress=cfg.run.progress)
+    with memory.phase("prompt_cache"):
+        setup_text_encoders(policy, cfg.model.text_encoders,
+                            [p for _, s in prompt_sets.items() for p in s.prompts],
+                            cfg.model.prompt_cache_dir, info, progress=cfg.run.progress)
     run_dir = Path(run_dir or cfg.run.output_dir or _default_run_dir())
     lock = RunLock(run_dir)
     if info.is_main:
@@ -390,13 +401,14 @@ def _train_loop(tr: Trainer, start: int, bad_streak: int, on_step_end) -> None:
                 cfg.run.max_minutes > 0 and time.time() - t_start > 60 * cfg.run.max_minutes)
             if (cfg.eval.every and (step + 1) % cfg.eval.every == 0) or done:
                 t = time.perf_counter()
-                metrics.update(evaluate(tr, step + 1, final=done))
+                with active_phase("eval"):
+                    metrics.update(evaluate(tr, step + 1, final=done))
                 metrics["time/eval"] = time.perf_counter() - t
         except RewardError as err:  # one line on the command line, naming what is kept
             raise type(err)(f"{err}; the run stopped at step {step + 1}, "
                             f"{_kept_checkpoint(run_dir)}") from err
         if (step + 1) % cfg.run.log_every == 0 or done or not finite:
-            tr.logger.log(step + 1, metrics)
+            tr.logger.log(step + 1, {**metrics, **(current().metrics() if current() else {})})
         bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}")
         if bad_streak >= cfg.run.max_bad_steps:
             raise TrainingDiverged(
@@ -411,7 +423,8 @@ def _train_loop(tr: Trainer, start: int, bad_streak: int, on_step_end) -> None:
         if done:
             break
     try:
-        model_dir = export_final(tr)  # every rank: a sharded model is gathered for rank 0
+        with active_phase("export"):
+            model_dir = export_final(tr)  # every rank: a sharded model is gathered for rank 0
     except OSError as err:
         if err.errno != errno.ENOSPC:
             raise
@@ -419,6 +432,7 @@ def _train_loop(tr: Trainer, start: int, bad_streak: int, on_step_end) -> None:
                             f"{run_dir / 'final_model'}; the last checkpoint "
                             f"{latest_checkpoint(run_dir)} is kept: free some space and run "
                             f"--resume {run_dir} to export it") from None
+    save_phase_memory(tr)
     if info.is_main:
         text = finish_summary(tr, step + 1 - start, (time.time() - t_start) / 60, model_dir)
         if cfg.run.progress:
@@ -429,7 +443,8 @@ def _checkpoint(tr: Trainer, step: int, bad_streak: int) -> None:
     """Checkpoint ``step`` on every rank; NaN/Inf weights are never saved: the run stops and the
     last checkpoint on disk stays the one to resume."""
     try:
-        save_run_checkpoint(tr, step, bad_streak)
+        with active_phase("checkpoint"):
+            save_run_checkpoint(tr, step, bad_streak)
     except NonFiniteWeights as err:
         last = latest_checkpoint(tr.run_dir)
         kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written"
@@ -437,6 +452,21 @@ def _checkpoint(tr: Trainer, step: int, bad_streak: int) -> None:
             f"{err} hold NaN/Inf at step {step}; they are not saved and {kept}. Lower lr or "
             f"max_grad_norm and resume or restart.") from None
     D.barrier(tr.info)
+
+
+def save_phase_memory(tr: Trainer) -> None:
+    """phases.json in the run directory: every rank's peak memory and seconds per phase
+    (`chunk_grpo.phase_memory`), gathered on rank 0."""
+    memory = current()
+    if memory is None:
+        return
+    report = dict(memory.report(), rank=tr.info.rank)
+    reports = [report]
+    if tr.info.world_size > 1:
+        reports = [None] * tr.info.world_size
+        torch.distributed.all_gather_object(reports, report)
+    if tr.info.is_main:
+        (tr.run_dir / "phases.json").write_text(json.dumps({"ranks": reports}, indent=1) + "\n")
 
 
 def _kept_checkpoint(run_dir: Path) -> str:

@@ -116,8 +116,8 @@ def export_final(tr: Trainer) -> Path:
     """final_model/: a diffusers directory (EMA weights if enabled, LoRA merged), the
     transformer in bf16 where the frozen weights are bf16 (CUDA by default), else fp32. Every
     rank calls this: a sharded transformer is gathered onto rank 0's CPU, which writes."""
-    if not tr.policy.has_text_encoders:  # freed after caching: the export needs them
-        tr.policy.reload_text_encoders("cpu")
+    if not tr.policy.has_text_encoders and tr.info.is_main:  # freed after caching: rank 0
+        tr.policy.reload_text_encoders("cpu")  # writes the pipeline, it alone needs them
     if tr.ema is not None:
         tr.ema.swap()
     dtype = resolve_weights_dtype(tr.cfg.model.weights_dtype, tr.info.device)

@@ -28,6 +28,7 @@ from chunk_grpo.parallelize import (
     parallelize_transformer,
     trainable_parameters,
 )
+from chunk_grpo.phase_memory import active_phase
 from chunk_grpo.policy_setup import (
     load_trainable_state_dict,
     prepare_transformer,
@@ -204,13 +205,14 @@ def resolve_layout(cfg: TrainConfig, policy: FluxPolicy, prompts: list[str], run
         layout = parse_chunk_spec(cfg.chunks.spec, cfg.num_trained, cfg.chunks.size)
     curve = None
     if layout is None or cfg.chunks.weighted:
-        # Once for the job, under the run's autocast (FSDP: the ranks split the prompts).
-        curve = shared_dynamics(policy, prompts[:cfg.chunks.profile_prompts], info=info,
-                                sharded=cfg.parallel.mode == "fsdp",
-                                num_steps=cfg.sampling.steps, shift=sampling_shift(cfg, policy),
-                                cfg_scale=cfg.sampling.cfg_scale, seed=cfg.run.seed,
-                                batch_size=cfg.sampling.batch_size,
-                                mixed_precision=cfg.model.mixed_precision)
+        with active_phase("profile"):
+            # Once for the job, under the run's autocast (FSDP: the ranks split the prompts).
+            curve = shared_dynamics(policy, prompts[:cfg.chunks.profile_prompts], info=info,
+                                    sharded=cfg.parallel.mode == "fsdp",
+                                    num_steps=cfg.sampling.steps, shift=sampling_shift(cfg, policy),
+                                    cfg_scale=cfg.sampling.cfg_scale, seed=cfg.run.seed,
+                                    batch_size=cfg.sampling.batch_size,
+                                    mixed_precision=cfg.model.mixed_precision)
         if layout is None:
             layout = propose_chunks(curve, cfg.chunks.max_size, cfg.num_trained)
         if info.is_main:
@@ -241,14 +243,16 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, info: D.DistInfo, *,
         layout, curve = resolve_layout(cfg, policy, prompt_sets.train.prompts, run_dir, info)
         chunk_weights = layout.chunk_weights(curve) if curve is not None else None
     model = cfg.model
-    prepare_transformer(
-        policy.transformer, lora_rank=model.lora_rank, lora_alpha=model.lora_alpha,
-        lora_targets=model.lora_targets, gradient_checkpointing=model.gradient_checkpointing,
-        attention_backend=model.attention_backend)
-    base = None
-    if cfg.eval.hybrid_steps:  # the base from the policy's own weights, before any step
-        base = hybrid_base(policy, resolve_weights_dtype(cfg.model.weights_dtype, info.device))
-    module = parallelize_policy(cfg, policy, base, info)
+    with active_phase("load"):  # the policy prepared and sharded, the hybrid base built
+        prepare_transformer(
+            policy.transformer, lora_rank=model.lora_rank, lora_alpha=model.lora_alpha,
+            lora_targets=model.lora_targets, gradient_checkpointing=model.gradient_checkpointing,
+            attention_backend=model.attention_backend)
+        base = None
+        if cfg.eval.hybrid_steps:  # the base from the policy's own weights, before any step
+            base = hybrid_base(policy, resolve_weights_dtype(cfg.model.weights_dtype,
+                                                             info.device))
+        module = parallelize_policy(cfg, policy, base, info)
     params = trainable_parameters(module)  # FSDP replaced them by sharded ones
     optimizer = build_optimizer(params, name=cfg.optim.name, lr=cfg.optim.lr,
                                 betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
