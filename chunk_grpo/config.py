@@ -147,6 +147,7 @@ class ParallelConfig:
 
     mode: str = "ddp"  # ddp | fsdp (FSDP2, a shard per transformer block) | none
     cpu_offload: bool = False  # fsdp: keep parameters, gradients and optimizer state on the CPU
+    reduce_dtype: str = "fp32"  # fsdp: the dtype gradients are reduce-scattered in (fp32 | bf16)
 
 
 @dataclass

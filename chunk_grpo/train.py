@@ -19,9 +19,11 @@ the branches at several strides (`chunk_grpo.branching`), step 4 sums the finish
 and step 5 trains that one step.
 The run is built by `chunk_grpo.trainer_setup` and evaluated by `chunk_grpo.trainer_eval`.
 Under torchrun the transformer is sharded with FSDP2 or wrapped in DDP (`parallelism`), the
-gradients sync only at accumulation boundaries, and several ranks write sharded checkpoints
-(`chunk_grpo.trainer_checkpoint`). The hybrid-evaluation base comes from the policy's own
-weights (`chunk_grpo.hybrid_base`).
+DDP's gradients sync only at accumulation boundaries, and several ranks write sharded checkpoints
+(`chunk_grpo.trainer_checkpoint`). Under FSDP the transformer loads straight into its shards and
+gradients are reduce-scattered every micro-batch (`chunk_grpo.sharded_load`,
+`chunk_grpo.parallelize`). The hybrid-evaluation base comes from the policy's own weights
+(`chunk_grpo.hybrid_base`).
 """
 
 from __future__ import annotations
@@ -73,11 +75,12 @@ from chunk_grpo.trainer_checkpoint import (
 )
 from chunk_grpo.trainer_eval import evaluate, export_final, finish_summary
 from chunk_grpo.trainer_setup import (
+    PolicySetup,
     PromptSets,
     Trainer,
+    build_policy,
     build_trainer,
     check_prompt_sets,
-    load_checked_policy,
     read_prompt_sets,
     resolve_reward,
 )
@@ -295,11 +298,12 @@ def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = F
     info = D.init_distributed(cfg.run.device)
     if info.device.type == "cuda":  # the memory plan, before a weight is loaded
         check_plan(cfg, info.world_size, torch.cuda.get_device_properties(info.device).total_memory)
+    # The policy first (under FSDP straight into its shards), then the reward beside it.
+    setup = build_policy(cfg, info)
     reward_fn = resolve_reward(cfg, info.device)
-    policy = load_checked_policy(cfg, info.device)
-    check_prompt_sets(prompt_sets, policy, reward_fn)
+    check_prompt_sets(prompt_sets, setup.policy, reward_fn)
     # text_encoders: cache -> every prompt embedded once (on disk), the encoders freed
-    setup_text_encoders(policy, cfg.model.text_encoders,
+    setup_text_encoders(setup.policy, cfg.model.text_encoders,
                         [p for _, s in prompt_sets.items() for p in s.prompts],
                         cfg.model.prompt_cache_dir, info, progress=cfg.run.progress)
     run_dir = Path(run_dir or cfg.run.output_dir or _default_run_dir())
@@ -312,7 +316,7 @@ def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = F
         lock.acquire()  # a second run on this directory stops here, before writing anything
     try:
         tr, start, bad_streak = _start_or_resume(cfg, run_dir, info, resume, prompt_sets,
-                                                 reward_fn, policy)
+                                                 reward_fn, setup)
         if info.is_main:
             print(f"[chunk-grpo] run dir {run_dir}; chunks {list(tr.layout.sizes)}; "
                   f"steps {start}..{cfg.run.max_steps}", flush=True)
@@ -332,7 +336,8 @@ def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = F
 
 
 def _start_or_resume(cfg: TrainConfig, run_dir: Path, info: D.DistInfo, resume: bool,
-                     prompt_sets: PromptSets, reward_fn, policy) -> tuple[Trainer, int, int]:
+                     prompt_sets: PromptSets, reward_fn, setup: PolicySetup
+                     ) -> tuple[Trainer, int, int]:
     """The trainer, fresh or restored from the newest intact checkpoint (either format, saved
     at any world size); (trainer, first step, bad streak)."""
     saved = None
@@ -350,7 +355,7 @@ def _start_or_resume(cfg: TrainConfig, run_dir: Path, info: D.DistInfo, resume: 
     tr = build_trainer(cfg, run_dir, info, prompt_sets=prompt_sets,
                        layout=ChunkLayout(saved.layout) if saved else None,
                        chunk_weights=saved.chunk_weights if saved else None,
-                       reward_fn=reward_fn, policy=policy)
+                       reward_fn=reward_fn, setup=setup)
     if saved is None:
         return tr, 0, 0
     restore_run(tr, saved)
