@@ -212,6 +212,7 @@ FLAT_ALIASES: dict[str, str] = {
     "grad_accum": "optim.grad_accum", "ppo_epochs": "optim.ppo_epochs",
     "ema_decay": "optim.ema_decay",
     "parallelism": "parallel.mode", "cpu_offload": "parallel.cpu_offload",
+    "reduce_dtype": "parallel.reduce_dtype",
     "eval_every": "eval.every", "eval_images": "eval.images",
     "final_eval_images": "eval.final_images", "eval_hybrid_steps": "eval.hybrid_steps",
     "output_dir": "run.output_dir", "seed": "run.seed", "device": "run.device",
