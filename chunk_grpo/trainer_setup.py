@@ -29,7 +29,7 @@ from chunk_grpo.optim import EMA, build_lr_scheduler, build_optimizer
 from chunk_grpo.parallelize import (
     ParallelismError,
     parallelize_transformer,
-    trainable_parameters,
+    unwrapped,
 )
 from chunk_grpo.policy_setup import (
     load_trainable_state_dict,
@@ -290,10 +290,13 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, info: D.DistInfo, *,
     reward_fn = resolve_reward(cfg, info.device) if reward_fn is None else as_reward_mix(
         reward_fn, cfg.reward.name)
     policy, module = setup.policy, setup.module
+    # The sharded parameters, collected before any forward: after a no-grad forward FSDP2
+    # leaves the root's own parameters unsharded (plain tensors) until the next backward.
+    named = [(n, p) for n, p in unwrapped(module).named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
     if layout is None:
         layout, curve = resolve_layout(cfg, policy, prompt_sets.train.prompts, run_dir, info)
         chunk_weights = layout.chunk_weights(curve) if curve is not None else None
-    params = trainable_parameters(module)  # FSDP replaced them by sharded ones
     optimizer = build_optimizer(params, name=cfg.optim.name, lr=cfg.optim.lr,
                                 betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
                                 weight_decay=cfg.optim.weight_decay)
@@ -302,8 +305,7 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, info: D.DistInfo, *,
                                    kind=cfg.optim.schedule)
     ema = None
     if cfg.optim.ema_decay > 0:
-        ema = EMA([(n, p) for n, p in policy.transformer.named_parameters() if p.requires_grad],
-                  cfg.optim.ema_decay)
+        ema = EMA(named, cfg.optim.ema_decay)
     # On shapes prompts, the shapes world's checks say whether a learned reward's gain kept
     # prompt fidelity (colour, shape, count, position) or came from reward hacking.
     fidelity = get_reward("shapes") if cfg.data.eval_prompts.startswith("shapes:") else None
