@@ -235,7 +235,9 @@ def build_policy(cfg: TrainConfig, info: D.DistInfo) -> PolicySetup:
         base = hybrid_base(policy, weights_dtype) if cfg.eval.hybrid_steps else None
         return PolicySetup(policy, parallelize_policy(cfg, policy, base, info), base)
     module = parallelize_policy(cfg, policy, None, info)
-    fill_from_checkpoint(policy.transformer, model_dir, device=info.device,
+    # cpu_offload: FSDP2 keeps the shards in host memory and expects them there
+    fill_from_checkpoint(policy.transformer, model_dir,
+                         device="cpu" if cfg.parallel.cpu_offload else info.device,
                          lora_seed=cfg.run.seed)
     base = None
     if cfg.eval.hybrid_steps:
