@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 MANIFEST = "manifest.json"
 STATE = "state.pt"
@@ -36,6 +37,7 @@ class DiskFullError(OSError):
 
 
 def rng_state() -> dict:
+    """The generators' states; "cuda" holds one state per visible CUDA device."""
     state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
              "python": random.getstate()}
     if torch.cuda.is_available():
@@ -43,12 +45,34 @@ def rng_state() -> dict:
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict) -> str | None:
+    """Restore the generators of ``state``. Of the saved CUDA states only the current device's
+    is restored (this process uses no other), so a checkpoint saved where more GPUs were
+    visible resumes on fewer; returns a line saying what changed when the saved and the
+    visible devices differ (None otherwise)."""
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    saved = state.get("cuda") or []
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not visible:
+        return (f"[chunk-grpo] resume: the checkpoint holds the CUDA generator states of "
+                f"{len(saved)} GPU(s), none is visible here: not restored") if saved else None
+    current = torch.cuda.current_device()
+    if current < len(saved):
+        torch.cuda.set_rng_state(saved[current], current)
+    if len(saved) == visible:
+        return None
+    restored = (f"device {current}'s restored" if current < len(saved) else
+                f"device {current} has none and keeps its seeded state")
+    return (f"[chunk-grpo] resume: the checkpoint holds the CUDA generator states of "
+            f"{len(saved)} GPU(s), {visible} visible here: {restored}")
+
+
+def print_note(note: str | None) -> None:
+    """Print a resume note once (on rank 0 of a distributed job)."""
+    if note and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(note, flush=True)
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -245,5 +269,5 @@ def load_checkpoint(path: str | Path, *, restore_rng: bool = True) -> dict:
     except Exception as err:  # verified above; this is damage after the check
         raise CheckpointError(f"checkpoint {path} does not load: {type(err).__name__}") from None
     if restore_rng:
-        set_rng_state(state["rng"])
+        print_note(set_rng_state(state["rng"]))
     return state

@@ -148,6 +148,7 @@ class ParallelConfig:
 
     mode: str = "ddp"  # ddp | fsdp (FSDP2, a shard per transformer block) | none
     cpu_offload: bool = False  # fsdp: keep parameters, gradients and optimizer state on the CPU
+    reduce_dtype: str = "fp32"  # fsdp: the dtype gradients are reduce-scattered in (fp32 | bf16)
     # how long a collective may wait for the other ranks (start-up encodes prompts, loads and
     # profiles the model while they wait) before the job fails
     timeout_minutes: float = 60.0
@@ -216,6 +217,7 @@ FLAT_ALIASES: dict[str, str] = {
     "grad_accum": "optim.grad_accum", "ppo_epochs": "optim.ppo_epochs",
     "ema_decay": "optim.ema_decay",
     "parallelism": "parallel.mode", "cpu_offload": "parallel.cpu_offload",
+    "reduce_dtype": "parallel.reduce_dtype",
     "eval_every": "eval.every", "eval_images": "eval.images",
     "final_eval_images": "eval.final_images", "eval_hybrid_steps": "eval.hybrid_steps",
     "output_dir": "run.output_dir", "seed": "run.seed", "device": "run.device",

@@ -39,6 +39,7 @@ from chunk_grpo.checkpoint import (
     _sha256,
     find_resumable,
     latest_checkpoint,
+    print_note,
     publish_checkpoint,
     rng_state,
     set_rng_state,
@@ -188,7 +189,7 @@ def load_sharded_checkpoint(path: str | Path, model: torch.nn.Module,
                    optim_state_dict=state["optimizer"], options=_LOAD_TRAINABLE)
     trainer = torch.load(path / TRAINER, map_location="cpu", weights_only=False)
     if restore_rng:
-        set_rng_state(trainer["rng"])
+        print_note(set_rng_state(trainer["rng"]))
     return trainer
 
 

@@ -19,9 +19,11 @@ the branches at several strides (`chunk_grpo.branching`), step 4 sums the finish
 and step 5 trains that one step.
 The run is built by `chunk_grpo.trainer_setup` and evaluated by `chunk_grpo.trainer_eval`.
 Under torchrun the transformer is sharded with FSDP2 or wrapped in DDP (`parallelism`), the
-gradients sync only at accumulation boundaries, and several ranks write sharded checkpoints
-(`chunk_grpo.trainer_checkpoint`). The hybrid-evaluation base comes from the policy's own
-weights (`chunk_grpo.hybrid_base`).
+DDP's gradients sync only at accumulation boundaries, and several ranks write sharded checkpoints
+(`chunk_grpo.trainer_checkpoint`). Under FSDP the transformer loads straight into its shards and
+gradients are reduce-scattered every micro-batch (`chunk_grpo.sharded_load`,
+`chunk_grpo.parallelize`). The hybrid-evaluation base comes from the policy's own weights
+(`chunk_grpo.hybrid_base`).
 """
 
 from __future__ import annotations
@@ -74,11 +76,12 @@ from chunk_grpo.trainer_checkpoint import (
 )
 from chunk_grpo.trainer_eval import evaluate, export_final, finish_summary
 from chunk_grpo.trainer_setup import (
+    PolicySetup,
     PromptSets,
     Trainer,
+    build_policy,
     build_trainer,
     check_prompt_sets,
-    load_checked_policy,
     read_prompt_sets,
     resolve_reward,
 )
@@ -307,12 +310,13 @@ def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = F
 def _run(cfg: TrainConfig, info: D.DistInfo, prompt_sets: PromptSets, memory: PhaseMemory,
          run_dir: str | Path | None, resume: bool, on_step_end) -> Path:
     with memory.phase("load"):
+        # The policy first (under FSDP straight into its shards), then the reward beside it.
+        setup = build_policy(cfg, info)
         reward_fn = resolve_reward(cfg, info.device)
-        policy = load_checked_policy(cfg, info.device)
-    check_prompt_sets(prompt_sets, policy, reward_fn)
+    check_prompt_sets(prompt_sets, setup.policy, reward_fn)
     # text_encoders: cache -> every prompt embedded once (on disk), the encoders freed
     with memory.phase("prompt_cache"):
-        setup_text_encoders(policy, cfg.model.text_encoders,
+        setup_text_encoders(setup.policy, cfg.model.text_encoders,
                             [p for _, s in prompt_sets.items() for p in s.prompts],
                             cfg.model.prompt_cache_dir, info, progress=cfg.run.progress)
     run_dir = Path(run_dir or cfg.run.output_dir or _default_run_dir())
@@ -325,7 +329,7 @@ def _run(cfg: TrainConfig, info: D.DistInfo, prompt_sets: PromptSets, memory: Ph
         lock.acquire()  # a second run on this directory stops here, before writing anything
     try:
         tr, start, bad_streak = _start_or_resume(cfg, run_dir, info, resume, prompt_sets,
-                                                 reward_fn, policy)
+                                                 reward_fn, setup)
         if info.is_main:
             print(f"[chunk-grpo] run dir {run_dir}; chunks {list(tr.layout.sizes)}; "
                   f"steps {start}..{cfg.run.max_steps}", flush=True)
@@ -345,7 +349,8 @@ def _run(cfg: TrainConfig, info: D.DistInfo, prompt_sets: PromptSets, memory: Ph
 
 
 def _start_or_resume(cfg: TrainConfig, run_dir: Path, info: D.DistInfo, resume: bool,
-                     prompt_sets: PromptSets, reward_fn, policy) -> tuple[Trainer, int, int]:
+                     prompt_sets: PromptSets, reward_fn, setup: PolicySetup
+                     ) -> tuple[Trainer, int, int]:
     """The trainer, fresh or restored from the newest intact checkpoint (either format, saved
     at any world size); (trainer, first step, bad streak)."""
     saved = None
@@ -363,7 +368,7 @@ def _start_or_resume(cfg: TrainConfig, run_dir: Path, info: D.DistInfo, resume: 
     tr = build_trainer(cfg, run_dir, info, prompt_sets=prompt_sets,
                        layout=ChunkLayout(saved.layout) if saved else None,
                        chunk_weights=saved.chunk_weights if saved else None,
-                       reward_fn=reward_fn, policy=policy)
+                       reward_fn=reward_fn, setup=setup)
     if saved is None:
         return tr, 0, 0
     restore_run(tr, saved)

@@ -113,23 +113,24 @@ class FluxPolicy:
         device: str | torch.device = "cpu",
         frozen_dtype: torch.dtype | None = None,
         text_encoder_device: str | torch.device | None = None,
+        transformer: torch.nn.Module | None = None,
     ) -> FluxPolicy:
         """Load a FLUX pipeline as a policy.
 
         ``dtype``: the transformer's weights (fp32 when they are trained in full; the frozen base
         under LoRA may be bf16, its adapters are made fp32 by `prepare_transformer`).
         ``frozen_dtype``: the VAE and text encoders (default ``dtype``). Each part is loaded in
-        its dtype directly, never in fp32 first. ``text_encoder_device``: where the text
-        encoders live (default ``device``; "cpu" keeps them off the GPU, their embeddings are
-        moved to ``device``).
+        its dtype straight to its device, never in fp32 first. ``text_encoder_device``: where
+        the text encoders live (default ``device``; "cpu" keeps them off the GPU, their
+        embeddings are moved to ``device``). ``transformer``: one to use instead of loading it
+        (built on the ``meta`` device for sharded loading, `chunk_grpo.sharded_load`).
         """
         frozen_dtype = frozen_dtype or dtype
         dtypes = {"transformer": dtype, "default": frozen_dtype}
-        pipeline = load_flux_pipeline(path_or_id, dtype=dtypes, device="cpu")
-        pipeline.transformer.to(device)
-        pipeline.vae.to(device)
-        for encoder in (pipeline.text_encoder, pipeline.text_encoder_2):
-            encoder.to(text_encoder_device or device)
+        encoders = text_encoder_device or device
+        pipeline = load_flux_pipeline(
+            path_or_id, dtype=dtypes, device=device, transformer=transformer,
+            devices={"text_encoder": encoders, "text_encoder_2": encoders})
         local = Path(os.fspath(path_or_id)).expanduser()
         defaults = SamplingDefaults.load(local) if local.is_dir() else SamplingDefaults()
         policy = cls(pipeline, defaults)
