@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
+    FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
@@ -125,6 +126,12 @@ def parallelize_transformer(transformer: torch.nn.Module, *, mode: str,
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     """The transformer behind a DDP wrapper (FSDP2 modules are their own transformer)."""
     return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is FSDP2-sharded (also on a 1-rank group): its state is DTensors, so it
+    is checkpointed, restored and exported the sharded way."""
+    return isinstance(unwrapped(model), FSDPModule)
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:

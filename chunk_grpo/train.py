@@ -82,6 +82,7 @@ from chunk_grpo.trainer_setup import (
     build_policy,
     build_trainer,
     check_prompt_sets,
+    check_reward_name,
     read_prompt_sets,
     resolve_reward,
 )
@@ -300,6 +301,7 @@ def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = F
     # Before the run directory: a bad prompt file, a misspelt or failing reward or a bad model
     # path leaves nothing behind.
     prompt_sets = read_prompt_sets(cfg)
+    check_reward_name(cfg)
     info = D.init_for_config(cfg)
     if info.device.type == "cuda":  # the memory plan, before a weight is loaded
         check_plan(cfg, info.world_size, torch.cuda.get_device_properties(info.device).total_memory)

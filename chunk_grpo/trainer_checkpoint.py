@@ -22,7 +22,7 @@ from chunk_grpo.checkpoint import (
     save_checkpoint,
 )
 from chunk_grpo.config import TrainConfig, build_config
-from chunk_grpo.parallelize import all_finite
+from chunk_grpo.parallelize import all_finite, is_sharded
 from chunk_grpo.sharded_checkpoint import (
     is_sharded_checkpoint,
     load_sharded_checkpoint,
@@ -52,7 +52,7 @@ def save_run_checkpoint(tr: Trainer, step: int, bad_streak: int) -> None:
     """Checkpoint ``step`` (every rank calls this). NaN/Inf weights are never saved: the last
     checkpoint on disk stays the one to resume (NonFiniteWeights)."""
     cfg = tr.cfg
-    if tr.info.world_size == 1:
+    if tr.info.world_size == 1 and not is_sharded(tr.module):
         state = checkpoint_state(tr, bad_streak)
         bad = nonfinite_tensors(state["model"])
         if bad:
@@ -117,7 +117,7 @@ def restore_run(tr: Trainer, resume: Resume) -> None:
                                 restore_rng=True)
         tr.scheduler.load_state_dict(resume.state["scheduler"])
         return
-    if tr.info.world_size > 1 and tr.cfg.parallel.mode == "fsdp":
+    if is_sharded(tr.module):
         raise CheckpointError(f"{resume.path} was written by one process; resume it on one "
                               f"process or with parallelism: ddp (a sharded checkpoint, written "
                               f"by a multi-rank run, resumes at any world size)")

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from chunk_grpo import distributed as D
 from chunk_grpo.evaluation import EvalResult, evaluate_policy
 from chunk_grpo.metrics import reward_captions, save_image_grid
+from chunk_grpo.parallelize import is_sharded
 from chunk_grpo.policy_setup import export_pipeline
 from chunk_grpo.sharded_checkpoint import export_full_model
 from chunk_grpo.stats import mean_ci95
@@ -123,7 +124,7 @@ def export_final(tr: Trainer) -> Path:
     dtype = resolve_weights_dtype(tr.cfg.model.weights_dtype, tr.info.device)
     out = tr.run_dir / "final_model"
     try:
-        if tr.info.world_size > 1:
+        if tr.info.world_size > 1 or is_sharded(tr.module):
             return export_full_model(tr.policy.pipeline, tr.module, out,
                                      defaults=tr.policy.defaults, dtype=dtype)
         return export_pipeline(tr.policy.pipeline, tr.policy.transformer, out,

@@ -42,7 +42,7 @@ from chunk_grpo.precision import resolve_mixed_precision
 from chunk_grpo.prompt_cache import text_encoder_device
 from chunk_grpo.prompts import PromptSet, check_prompts, load_prompt_set
 from chunk_grpo.rewards import build_reward, get_reward
-from chunk_grpo.rewards.mix import RewardMix, as_reward_mix
+from chunk_grpo.rewards.mix import RewardMix, as_reward_mix, check_reward_spec
 from chunk_grpo.rewards.outputs import RewardError
 from chunk_grpo.sampling_options import resolve_cfg_scale
 from chunk_grpo.schedule import dynamic_shift
@@ -133,6 +133,15 @@ def check_prompt_sets(prompt_sets: PromptSets, policy: FluxPolicy, reward_fn: Re
         for note in notes:
             print(f"[chunk-grpo] {key}: {note}", flush=True)
     probe_reward(reward_fn, policy.height, policy.width, prompt_sets.train.prompts)
+
+
+def check_reward_name(cfg: TrainConfig) -> None:
+    """A ConfigError now, before any model loads, when the configured reward (or a part of a
+    mix) names no reward; the reward itself is built after the policy (`resolve_reward`)."""
+    try:
+        check_reward_spec(cfg.reward.name)
+    except ValueError as err:
+        raise ConfigError(f"reward: {err}") from err
 
 
 def resolve_reward(cfg: TrainConfig, device: torch.device | None = None) -> RewardMix:

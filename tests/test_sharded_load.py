@@ -263,3 +263,25 @@ def test_a_checkpoint_that_disagrees_with_its_config_is_named(tmp_path):
     (model_dir / "transformer" / sharded_load.WEIGHTS).rename(tmp_path / "moved")
     with pytest.raises(ModelLoadError, match="has neither diffusion_pytorch_model.safetensors"):
         sharded_load.transformer_weight_files(model_dir)
+
+
+def _one_rank_run(rank: int, world: int, tmp: Path, model_dir: Path, max_steps: int,
+                  resume: bool) -> dict:
+    """The trainer under FSDP2 on a 1-rank group (as on one GPU): it checkpoints, resumes and
+    exports the sharded way (its state is DTensors even with one rank)."""
+    from chunk_grpo.train import run
+
+    cfg = tiny_config(model_dir, tmp / "run", parallelism="fsdp", max_steps=max_steps,
+                      checkpoint_every=1)
+    run_dir = run(cfg, resume=resume)
+    return {"checkpoints": sorted(p.name for p in (run_dir / "checkpoints").iterdir()),
+            "exported": (run_dir / "final_model" / "model_index.json").is_file()}
+
+
+def test_fsdp_on_one_rank_checkpoints_resumes_and_exports(tmp_path):
+    model_dir = tiny_model_dir(tmp_path)
+    (first,) = run_ranks(_one_rank_run, 1, tmp_path, model_dir, 1, False)
+    assert first["exported"] and first["checkpoints"]
+    (second,) = run_ranks(_one_rank_run, 1, tmp_path, model_dir, 2, True)
+    assert second["exported"] and len(second["checkpoints"]) >= 1
+    assert second["checkpoints"] != first["checkpoints"]  # step 2 was trained and saved
