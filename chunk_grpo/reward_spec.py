@@ -3,13 +3,15 @@
     shapes                              one registered reward (weight 1)
     my_rewards:redness                  a reward registered in your module
     remote:http://127.0.0.1:8000        a reward server (`python -m chunk_grpo.reward_server`)
+    judge:http://127.0.0.1:8000         a VLM judge behind an OpenAI-compatible API
+    judge:configs/judges/qwen2_5_vl_7b_yes_no.yaml   the same, its options in a YAML/JSON file
     pickscore=1.0,clip=0.5              a mix: the weighted sum of several rewards
     pickscore=1.0,my_rewards:redness=0.2,remote:http://127.0.0.1:8000=0.5
 
 or a mapping (YAML ``reward: {pickscore: 1.0, clip: 0.5}``). Entries are split at commas; an
 entry's weight is the number after its last ``=`` (no ``=``: weight 1), so the colons of
-``module:name`` and ``remote:URL`` are never read as separators. This module imports nothing
-heavy: the configuration checks a spec before any model or reward is loaded.
+``module:name``, ``remote:URL`` and ``judge:...`` are never read as separators. This module
+imports nothing heavy: the configuration checks a spec before any model or reward is loaded.
 """
 
 from __future__ import annotations
@@ -86,6 +88,9 @@ def parse_reward_spec(spec: str | Mapping) -> list[tuple[str, float]]:
         if name.startswith("remote:") and not re.match(r"remote:https?://[^/:]+:\d+", name):
             raise RewardSpecError(f"reward {name!r}: a reward server is named "
                                   f"remote:http://HOST:PORT, e.g. remote:http://127.0.0.1:8000")
+        if name.startswith("judge:") and not name[len("judge:"):].strip():
+            raise RewardSpecError(f"reward {name!r}: name the judge's server or options file, "
+                                  f"e.g. judge:http://127.0.0.1:8000 or judge:my_judge.yaml")
         if name in seen:
             raise RewardSpecError(f"reward {name!r} is named twice in {spec!r}; give each "
                                   f"reward once with its total weight")

@@ -7,6 +7,7 @@ from chunk_grpo.rewards.hpsv2 import HPSv2Score  # registers "hpsv2"
 from chunk_grpo.rewards.hpsv3 import HPSv3Reward  # registers "hpsv3"
 from chunk_grpo.rewards.imagereward import ImageRewardScore  # registers "imagereward"
 from chunk_grpo.rewards.jpeg import JpegCompressibility, JpegIncompressibility  # registers both
+from chunk_grpo.rewards.judge import VLMJudge  # registers "judge" (judge:URL, judge:FILE)
 from chunk_grpo.rewards.mix import RewardMix, build_reward
 from chunk_grpo.rewards.outputs import RewardError, RewardOutputError, RewardUnavailableError
 from chunk_grpo.rewards.pickscore import PickScore  # registers "pickscore"
@@ -25,5 +26,5 @@ __all__ = ["SHAPES_CLIP_DIR", "AestheticScore", "ClipScore", "HPSv2Score", "HPSv
            "ImageRewardScore",
            "JpegCompressibility", "JpegIncompressibility", "PickScore", "RemoteReward", "Reward",
            "RewardError", "RewardLoadError", "RewardMix", "RewardOutputError",
-           "RewardUnavailableError", "ShapesReward", "available_rewards", "build_reward",
-           "get_reward", "register_reward", "shapes_clip"]
+           "RewardUnavailableError", "ShapesReward", "VLMJudge", "available_rewards",
+           "build_reward", "get_reward", "register_reward", "shapes_clip"]

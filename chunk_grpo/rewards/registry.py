@@ -3,8 +3,9 @@
 Your own reward needs no change to this package: register it in a module of yours and name it
 as "module:name" (e.g. `--reward my_rewards:redness`); `get_reward` imports the module first,
 which runs its `@register_reward` decorators. "remote:URL" is the client of a reward server
-(`chunk_grpo.rewards.remote`), never a module. A weighted mix of rewards is built by
-`chunk_grpo.rewards.mix.build_reward`.
+(`chunk_grpo.rewards.remote`) and "judge:URL" / "judge:OPTIONS.yaml" a VLM judge behind an
+OpenAI-compatible API (`chunk_grpo.rewards.judge`), never modules. A weighted mix of rewards is
+built by `chunk_grpo.rewards.mix.build_reward`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from collections.abc import Callable
 from typing import Protocol
 
 import torch
+
+from chunk_grpo.rewards.judge_options import JUDGE_PREFIX, judge_options
 
 
 class Reward(Protocol):
@@ -74,9 +77,12 @@ def _import_reward_module(spec: str) -> str:
 
 def reward_factory(spec: str) -> tuple[Callable[..., Reward], dict]:
     """(factory, keyword options it must get) of a reward spec: a registered name,
-    "module:name" (the module is imported first) or "remote:URL" (the reward server client)."""
+    "module:name" (the module is imported first), "remote:URL" (the reward server client) or
+    "judge:URL" / "judge:OPTIONS.yaml" (a VLM judge; its options are read and checked here)."""
     if spec.startswith(REMOTE_PREFIX):
         return _FACTORIES["remote"], {"url": spec[len(REMOTE_PREFIX):]}
+    if spec.startswith(JUDGE_PREFIX):
+        return _FACTORIES["judge"], judge_options(spec[len(JUDGE_PREFIX):])
     name = _import_reward_module(spec) if ":" in spec else spec
     if name not in _FACTORIES:
         if "=" in spec or "," in spec:
@@ -91,6 +97,6 @@ def reward_factory(spec: str) -> tuple[Callable[..., Reward], dict]:
 
 def get_reward(name: str, **kwargs) -> Reward:
     """A new instance of the reward registered as `name` (or "module:name", importing the
-    module first, or "remote:URL"), built with `kwargs`."""
+    module first, "remote:URL" or "judge:..."), built with `kwargs`."""
     factory, fixed = reward_factory(name)
     return factory(**fixed, **kwargs)

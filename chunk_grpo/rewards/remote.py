@@ -12,17 +12,16 @@ The wire format is documented in `chunk_grpo.reward_server`; `encode_score_reque
 
 from __future__ import annotations
 
-import http.client
 import json
 import math
 import struct
-import time
 from urllib.parse import urlsplit
 
 import numpy as np
 import torch
 
 from chunk_grpo.reward_spec import RewardSpecError
+from chunk_grpo.rewards.http_retry import RetriesExhausted, send, with_retries
 from chunk_grpo.rewards.outputs import RewardOutputError, RewardUnavailableError
 from chunk_grpo.rewards.registry import register_reward
 
@@ -91,44 +90,25 @@ class RemoteReward:
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
         self.retries, self.backoff = retries, backoff
 
-    def _request(self, method: str, route: str, body: bytes | None = None) -> tuple[int, bytes]:
-        kind = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
-        conn = kind(self.host, self.port, timeout=self.connect_timeout)
-        try:
-            conn.connect()
-            conn.sock.settimeout(self.read_timeout)
-            headers = {"Content-Type": "application/octet-stream"} if body is not None else {}
-            conn.request(method, self.path + route, body=body, headers=headers)
-            response = conn.getresponse()
-            return response.status, response.read()
-        finally:
-            conn.close()
-
     def _with_retries(self, method: str, route: str, body: bytes | None = None) -> bytes:
-        last = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
+        headers = {"Content-Type": "application/octet-stream"} if body is not None else {}
+        try:
+            status, data = with_retries(
+                lambda: send(self.scheme, self.host, self.port, method, self.path + route, body,
+                             headers, self.connect_timeout, self.read_timeout),
+                retries=self.retries, backoff=self.backoff, retry_statuses=_RETRY_STATUSES)
+        except RetriesExhausted as err:
+            raise RewardUnavailableError(
+                f"reward server {self.url} did not answer {route} after {err.attempts} attempts "
+                f"(last: {err.last}); start it with `python -m chunk_grpo.reward_server --reward "
+                f"NAME --host {self.host} --port {self.port}` or fix the URL") from None
+        if status != 200:
             try:
-                status, data = self._request(method, route, body)
-            except (OSError, http.client.HTTPException) as err:
-                last = f"{type(err).__name__}: {err}"
-                continue
-            if status in _RETRY_STATUSES:
-                last = f"HTTP {status}"
-                continue
-            if status != 200:
-                try:
-                    message = json.loads(data)["error"]
-                except (ValueError, KeyError, TypeError):
-                    message = data[:200].decode(errors="replace")
-                raise RewardOutputError(f"reward server {self.url} answered HTTP {status}: "
-                                        f"{message}")
-            return data
-        raise RewardUnavailableError(
-            f"reward server {self.url} did not answer {route} after {self.retries + 1} attempts "
-            f"(last: {last}); start it with `python -m chunk_grpo.reward_server --reward NAME "
-            f"--host {self.host} --port {self.port}` or fix the URL")
+                message = json.loads(data)["error"]
+            except (ValueError, KeyError, TypeError):
+                message = data[:200].decode(errors="replace")
+            raise RewardOutputError(f"reward server {self.url} answered HTTP {status}: {message}")
+        return data
 
     def health(self) -> dict:
         """The server's /health answer: the reward it serves and its request counters."""
