@@ -13,11 +13,11 @@ from collections.abc import Callable
 
 class RetriesExhausted(Exception):
     """Every attempt failed to connect, timed out or got a retryable status; ``last`` says how
-    the last one failed, ``timed_out`` whether it was a timeout."""
+    the last one failed, ``kind`` which way: "connection", "timeout" or "status"."""
 
-    def __init__(self, attempts: int, last: str, timed_out: bool):
+    def __init__(self, attempts: int, last: str, kind: str):
         super().__init__(f"{attempts} attempts (last: {last})")
-        self.attempts, self.last, self.timed_out = attempts, last, timed_out
+        self.attempts, self.last, self.kind = attempts, last, kind
 
 
 def send(scheme: str, host: str, port: int, method: str, path: str, body: bytes | None,
@@ -42,17 +42,18 @@ def with_retries(attempt: Callable[[], tuple[int, bytes]], *, retries: int, back
     """The first answer of ``attempt()`` whose status is not in ``retry_statuses``; a connection
     error, a timeout or such a status is tried again up to ``retries`` times, after
     ``backoff``, 2 ``backoff``, 4 ``backoff``... seconds. Then RetriesExhausted."""
-    last, timed_out = "", False
+    last, kind = "", "connection"
     for index in range(retries + 1):
         if index:
             time.sleep(backoff * 2 ** (index - 1))
         try:
             status, data = attempt()
         except (OSError, http.client.HTTPException) as err:
-            last, timed_out = f"{type(err).__name__}: {err}", isinstance(err, TimeoutError)
+            last = f"{type(err).__name__}: {err}"
+            kind = "timeout" if isinstance(err, TimeoutError) else "connection"
             continue
         if status in retry_statuses:
-            last, timed_out = f"HTTP {status}", False
+            last, kind = f"HTTP {status}", "status"
             continue
         return status, data
-    raise RetriesExhausted(retries + 1, last, timed_out)
+    raise RetriesExhausted(retries + 1, last, kind)

@@ -157,9 +157,12 @@ class VLMJudge:
                              headers, o.connect_timeout, o.timeout),
                 retries=o.retries, backoff=o.backoff, retry_statuses=_RETRY_STATUSES)
         except RetriesExhausted as err:
-            fix = (f"raise the judge's timeout (now {o.timeout:g} s) or lower max_concurrency "
-                   f"(now {o.max_concurrency})" if err.timed_out else
-                   "start the server (e.g. `vllm serve MODEL --port PORT`) or fix base_url")
+            fix = {"timeout": f"raise the judge's timeout (now {o.timeout:g} s) or lower "
+                              f"max_concurrency (now {o.max_concurrency})",
+                   "status": f"the server is overloaded or failing: lower max_concurrency (now "
+                             f"{o.max_concurrency}) or raise retries and backoff",
+                   "connection": "start the server (e.g. `vllm serve MODEL --port PORT`) or fix "
+                                 "base_url"}[err.kind]
             raise RewardUnavailableError(f"judge {o.endpoint} did not answer after "
                                          f"{err.attempts} attempts (last: {err.last}); {fix}"
                                          ) from None

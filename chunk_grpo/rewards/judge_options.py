@@ -182,10 +182,16 @@ def _read_options_file(path: Path) -> dict[str, Any]:
                               f"is read from the directory you run from)")
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))  # JSON is YAML too
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise RewardSpecError(f"judge options file {str(path)!r} cannot be read as YAML or "
-                              f"JSON: {first}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise RewardSpecError(f"cannot read judge options file {str(path)!r} as UTF-8 text: "
+                              f"{err}") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise RewardSpecError(f"judge options file {str(path)!r}{where} is not valid YAML or "
+                              f"JSON ({problem}); quote a template that holds quotes or colons "
+                              f"with a block scalar `template: |-`") from None
     if not isinstance(data, dict):
         raise RewardSpecError(f"judge options file {str(path)!r} must hold a mapping of options, "
                               f"e.g. `base_url: http://127.0.0.1:8000`")
