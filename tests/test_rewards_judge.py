@@ -24,10 +24,10 @@ from trainer_utils import tiny_config, tiny_model_dir
 
 from chunk_grpo.config import ConfigError, build_config
 from chunk_grpo.metrics import read_metrics
+from chunk_grpo.reward_spec import RewardSpecError
 from chunk_grpo.rewards import RewardUnavailableError, build_reward, get_reward
 from chunk_grpo.rewards.judge_options import judge_options
 from chunk_grpo.rewards.outputs import RewardOutputError
-from chunk_grpo.reward_spec import RewardSpecError
 from chunk_grpo.train import run
 from chunk_grpo.trainer_setup import check_reward_name
 
@@ -96,15 +96,16 @@ class JudgeServer:
         return Handler
 
     def answer(self, path: str, request: dict, headers: dict) -> tuple[int, bytes]:
-        with self.lock:
+        try:
+            b, rejected = check_request(path, request), None
+        except AssertionError as err:  # a malformed request: 400 with the reason, like vLLM
+            b, rejected = None, f"bad request: {err}"
+        with self.lock:  # brightness[i] is the image of requests[i]
             self.requests.append(request)
             self.headers.append(headers)
-        try:
-            b = check_request(path, request)
-        except AssertionError as err:  # a malformed request: 400 with the reason, like vLLM
-            return 400, json.dumps({"object": "error", "message": f"bad request: {err}"}).encode()
-        with self.lock:
             self.brightness.append(b)
+        if rejected:
+            return 400, json.dumps({"object": "error", "message": rejected}).encode()
         if self.reply is not None:
             return 200, self.reply
         choice = {"index": 0, "finish_reason": "stop",
@@ -131,7 +132,8 @@ def check_request(path: str, request: dict) -> float:
     assert picture["type"] == "image_url" and text["type"] == "text"
     head, _, data = picture["image_url"]["url"].partition(",")
     assert head in ("data:image/png;base64", "data:image/jpeg;base64"), head
-    assert text["text"].startswith("Rate how well this image shows: a ")
+    assert text["text"].startswith("Rate how well this image shows: "), text["text"]
+    assert "{prompt}" not in text["text"]
     pixels = np.asarray(Image.open(io.BytesIO(base64.b64decode(data))).convert("RGB"))
     return float(pixels.mean() / 255.0)
 
@@ -221,14 +223,20 @@ def test_503_and_429_are_retried_with_backoff(server):
         f"retries and backoff")
 
 
-def test_a_slow_server_times_out_in_one_line(server):
-    server.delay = 2.0
+def _unavailable(judge, n: int) -> tuple[str, float]:
+    """The one-line message of the RewardUnavailableError scoring n images raises, and the
+    seconds it took."""
     start = time.monotonic()
     with pytest.raises(RewardUnavailableError) as err:
-        _judge(server, timeout=0.3, retries=1)(_images(1), PROMPTS[:1])
-    assert time.monotonic() - start < 1.9  # two attempts of 0.3 s, not the server's 2 s
-    message = str(err.value)
-    assert "\n" not in message
+        judge(_images(n), PROMPTS[:n])
+    assert "\n" not in str(err.value)
+    return str(err.value), time.monotonic() - start
+
+
+def test_a_slow_server_times_out_in_one_line(server):
+    server.delay = 2.0
+    message, seconds = _unavailable(_judge(server, timeout=0.3, retries=1), 1)
+    assert seconds < 1.9  # two attempts of 0.3 s, not the server's 2 s
     assert message.startswith(f"judge {server.url}/v1/chat/completions did not answer after 2 "
                               f"attempts (last: TimeoutError: timed out)")
     assert message.endswith("raise the judge's timeout (now 0.3 s) or lower max_concurrency "
@@ -240,12 +248,8 @@ def test_a_server_that_is_down_is_a_one_line_error():
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]  # nothing listens there once closed
     judge = get_reward(f"judge:http://127.0.0.1:{port}", retries=2, backoff=0.01)
-    start = time.monotonic()
-    with pytest.raises(RewardUnavailableError) as err:
-        judge(_images(2), PROMPTS[:2])
-    assert time.monotonic() - start < 5
-    message = str(err.value)
-    assert "\n" not in message
+    message, seconds = _unavailable(judge, 2)
+    assert seconds < 5
     assert message.startswith(f"judge http://127.0.0.1:{port}/v1/chat/completions did not "
                               f"answer after 3 attempts (last: ConnectionRefusedError")
     assert message.endswith("start the server (e.g. `vllm serve MODEL --port PORT`) or fix "

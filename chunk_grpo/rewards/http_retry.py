@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import time
 from collections.abc import Callable
+from urllib.parse import urlsplit
 
 
 class RetriesExhausted(Exception):
@@ -18,6 +19,20 @@ class RetriesExhausted(Exception):
     def __init__(self, attempts: int, last: str, kind: str):
         super().__init__(f"{attempts} attempts (last: {last})")
         self.attempts, self.last, self.kind = attempts, last, kind
+
+
+def split_http_url(url: str) -> tuple[str, str, int | None, str] | None:
+    """(scheme, host, port or None when not written, path without its trailing /) of an http(s)
+    URL; None when it is not one (another scheme, no host, a port that is not a number, a
+    query)."""
+    parts = urlsplit(url or "")
+    try:
+        port = parts.port
+    except ValueError:
+        return None
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query:
+        return None
+    return parts.scheme, parts.hostname, port, parts.path.rstrip("/")
 
 
 def send(scheme: str, host: str, port: int, method: str, path: str, body: bytes | None,

@@ -114,7 +114,10 @@ def parse_score(reply: dict, o: JudgeOptions) -> float:
 class VLMJudge:
     """Scores each image by asking a VLM judge over HTTP; see the module docstring."""
 
-    def __init__(self, base_url: str | None = None, **options):
+    def __init__(self, base_url: str | None = None, *, device: object = None,
+                 dtype: object = None, **options):
+        # device and dtype (which build_reward gives every factory that takes **options) place
+        # local models; the judge's model lives on its server
         if not base_url:
             raise ValueError("a judge needs its server: write judge:http://HOST:PORT or "
                              "judge:OPTIONS.yaml (reward), or get_reward('judge', base_url=...)")

@@ -4,7 +4,7 @@
     judge:configs/judges/qwen2_5_vl_7b.yaml   a YAML or JSON file of options (base_url required)
 
 Unknown keys, wrong types and impossible values are a RewardSpecError of one line naming the key
-and the fix. A leaf module (no torch): the trainer checks a judge's options before any model
+and the fix. It loads no model: the trainer checks a judge's options before any model
 loads.
 """
 
@@ -16,11 +16,11 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import yaml
 
 from chunk_grpo.reward_spec import RewardSpecError
+from chunk_grpo.rewards.http_retry import split_http_url
 
 JUDGE_PREFIX = "judge:"
 SCORE_MODES = ("number", "yes_probability")
@@ -138,17 +138,12 @@ def _check_values(o: JudgeOptions) -> None:
 
 def split_base_url(url: str) -> tuple[str, str, int, str]:
     """(scheme, host, port, path prefix) of a judge's base URL, or RewardSpecError."""
-    parts = urlsplit(url or "")
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-        parts = parts._replace(netloc="")
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query:
+    parts = split_http_url(url)
+    if parts is None:
         raise RewardSpecError(f"judge base_url {url!r}: write http(s)://HOST[:PORT][/PREFIX] of "
                               f"an OpenAI-compatible server, {_EXAMPLE}")
-    default = 443 if parts.scheme == "https" else 80
-    return parts.scheme, parts.hostname, port or default, parts.path.rstrip("/")
+    scheme, host, port, path = parts
+    return scheme, host, port or (443 if scheme == "https" else 80), path
 
 
 def judge_options(source: str, overrides: dict | None = None) -> dict[str, Any]:

@@ -15,13 +15,12 @@ from __future__ import annotations
 import json
 import math
 import struct
-from urllib.parse import urlsplit
 
 import numpy as np
 import torch
 
 from chunk_grpo.reward_spec import RewardSpecError
-from chunk_grpo.rewards.http_retry import RetriesExhausted, send, with_retries
+from chunk_grpo.rewards.http_retry import RetriesExhausted, send, split_http_url, with_retries
 from chunk_grpo.rewards.outputs import RewardOutputError, RewardUnavailableError
 from chunk_grpo.rewards.registry import register_reward
 
@@ -65,16 +64,12 @@ def decode_score_request(body: bytes) -> tuple[torch.Tensor, list[str]]:
 
 def parse_server_url(url: str) -> tuple[str, str, int, str]:
     """(scheme, host, port, base path) of http://HOST:PORT[/path], or RewardSpecError."""
-    parts = urlsplit(url or "")
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    if parts.scheme not in ("http", "https") or not parts.hostname or port is None:
+    parts = split_http_url(url)
+    if parts is None or parts[2] is None:
         raise RewardSpecError(f"reward server URL {url!r}: write remote:http://HOST:PORT, e.g. "
                               f"remote:http://127.0.0.1:8000 (start the server with python -m "
                               f"chunk_grpo.reward_server --reward NAME --port 8000)")
-    return parts.scheme, parts.hostname, port, parts.path.rstrip("/")
+    return parts
 
 
 @register_reward("remote")
