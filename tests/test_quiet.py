@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# Every `python -m chunk_grpo.<command>`: the modules that end with run_cli (chunk_grpo.cli)
+# Every `python -m chunk_grpo.<command>`: the package's modules with a __main__ block
 COMMANDS = sorted(
     f"chunk_grpo.{path.stem}" for path in (ROOT / "chunk_grpo").glob("*.py")
-    if re.search(r"^\s+run_cli\(main, ", path.read_text(), re.MULTILINE))
+    if re.search(r'^if __name__ == "__main__":', path.read_text(), re.MULTILINE))
 BNB_LOGGER = "bitsandbytes.backends.cpu.ops"
 BNB_LINE = ("Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure you "
             "already `pip install kernels` and the kernels >= 0.11.1")
