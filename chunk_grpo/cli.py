@@ -8,8 +8,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from chunk_grpo.cli_args import quiet_third_party
 from chunk_grpo.errors import ConfigError, RunInterrupted
+from chunk_grpo.quiet import quiet_third_party
 
 
 def run_command(main: Callable[[], object], prog: str,

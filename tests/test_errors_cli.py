@@ -20,9 +20,9 @@ from chunk_grpo.checkpoint import (
     latest_checkpoint,
 )
 from chunk_grpo.cli import run_command
-from chunk_grpo.cli_args import quiet_third_party
 from chunk_grpo.config import ConfigError, build_config, load_yaml
 from chunk_grpo.models.sampling_defaults import CONFIG_NAME
+from chunk_grpo.quiet import quiet_third_party
 from chunk_grpo.run_lock import RunLock
 from chunk_grpo.shapes import HELDOUT_PROMPTS_FILE
 from chunk_grpo.train import TrainingDiverged, _checkpoint, main, run
@@ -213,7 +213,7 @@ def test_ctrl_c_exits_130_naming_a_resumable_checkpoint(tmp_path, model):
             "--eval-every", "0", "--progress", "false", "--lora-rank", "0",
             "--mixed-precision", "no", "--max-minutes", "0", "--sde-window", "0"]
     # the test reward lives in the tests: register it in the child before the CLI runs
-    code = ("import sys, runpy; from chunk_grpo.cli_args import quiet_third_party; "
+    code = ("import sys, runpy; from chunk_grpo.quiet import quiet_third_party; "
             "quiet_third_party(); sys.path.insert(0, 'tests'); import trainer_utils; "
             "sys.argv = ['chunk_grpo.train'] + sys.argv[1:]; "
             "runpy.run_module('chunk_grpo.train', run_name='__main__')")
