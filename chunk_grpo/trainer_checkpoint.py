@@ -15,20 +15,22 @@ from pathlib import Path
 import torch
 
 from chunk_grpo.checkpoint import (
+    STATE,
     CheckpointError,
-    find_resumable,
-    load_checkpoint,
     nonfinite_tensors,
+    safe_load,
     save_checkpoint,
+    set_rng_state,
 )
 from chunk_grpo.config import TrainConfig, build_config
 from chunk_grpo.parallelize import all_finite
 from chunk_grpo.sharded_checkpoint import (
+    TRAINER,
     is_sharded_checkpoint,
     load_sharded_checkpoint,
-    read_trainer_state,
     resume_batch_plan,
     save_sharded_checkpoint,
+    select_checkpoint,
 )
 from chunk_grpo.trainer_setup import Trainer, checkpoint_state, restore_state
 
@@ -82,11 +84,15 @@ class Resume:
         return is_sharded_checkpoint(self.path)
 
 
-def find_run_checkpoint(run_dir: Path) -> Resume:
-    """The newest intact checkpoint of ``run_dir`` (either format); restores the RNG state of a
-    single-file one, as an uninterrupted run would have it."""
-    path = find_resumable(run_dir)
-    state = read_trainer_state(path) if is_sharded_checkpoint(path) else load_checkpoint(path)
+def find_run_checkpoint(run_dir: Path, *, trust: bool = False) -> Resume:
+    """The newest intact checkpoint of ``run_dir`` (either format, verified against its
+    manifest before anything is read; ``trust``: one without a manifest too); restores the RNG
+    state of a single-file one, as an uninterrupted run would have it. Every rank calls this."""
+    path = select_checkpoint(run_dir, trust=trust)
+    sharded = is_sharded_checkpoint(path)
+    state = safe_load(path / (TRAINER if sharded else STATE))
+    if not sharded:
+        set_rng_state(state["rng"])
     return Resume(path=path, step=state["step"], bad_streak=state["bad_streak"],
                   layout=tuple(state["chunk_layout"]), chunk_weights=state["chunk_weights"],
                   state=state)
@@ -114,7 +120,7 @@ def restore_run(tr: Trainer, resume: Resume) -> None:
     """Load ``resume`` into a freshly built trainer (every rank calls this)."""
     if resume.sharded:
         load_sharded_checkpoint(resume.path, tr.module, tr.optimizer, extra=_ema_tensors(tr),
-                                restore_rng=True)
+                                restore_rng=True, verified=True)
         tr.scheduler.load_state_dict(resume.state["scheduler"])
         return
     if tr.info.world_size > 1 and tr.cfg.parallel.mode == "fsdp":
