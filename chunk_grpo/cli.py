@@ -42,7 +42,7 @@ def run_cli(main: Callable[[], object], module: str) -> None:
     """The ``__main__`` of ``python -m module``: `run_command` with every error a command reports
     in one line (a bad configuration or input file, a model or reward that cannot be loaded, an
     unknown reward, a bad reward spec or output, a damaged checkpoint, a locked run directory,
-    a full disk)."""
+    a full disk, a run that diverged or trained nothing)."""
     quiet_third_party("--verbose" in sys.argv[1:])
 
     run_command(main, f"python -m {module}", errors=_loaded_one_line_errors)
@@ -60,6 +60,8 @@ _ONE_LINE_ERRORS = (
     ("chunk_grpo.checkpoint", "CheckpointError"),
     ("chunk_grpo.checkpoint", "DiskFullError"),
     ("chunk_grpo.run_lock", "RunLockedError"),
+    ("chunk_grpo.train", "TrainingDiverged"),
+    ("chunk_grpo.train", "NothingTrained"),
 )
 
 

@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from chunk_grpo.rewards.mix import RewardMix
-from chunk_grpo.rewards.outputs import RewardError
+from chunk_grpo.rewards.outputs import RewardError, RewardOutputError
 
 
 class RolloutScorer:
@@ -76,10 +76,17 @@ def probe_reward(reward: RewardMix, height: int, width: int, prompts: list[str],
     images = torch.rand(n, 3, height, width, generator=torch.Generator().manual_seed(0))
     probe_prompts = [prompts[i % len(prompts)] for i in range(n)]
     try:
-        return reward.score(images, probe_prompts)
+        scores = reward.score(images, probe_prompts)
     except RewardError as err:
         raise type(err)(f"checking the reward before training ({n} images of {height}x{width}): "
                         f"{err}") from err
+    for label, values in scores.items():
+        if not bool(torch.isfinite(values).all()):
+            raise RewardOutputError(
+                f"checking the reward before training ({n} images of {height}x{width}): "
+                f"reward {label!r} returned NaN/Inf scores {values.tolist()}; a run would skip "
+                "every iteration it does so and train nothing: fix the reward")
+    return scores
 
 
 def constant_within_groups(rewards: torch.Tensor, group_size: int) -> bool:

@@ -27,7 +27,6 @@ weights (`chunk_grpo.hybrid_base`).
 from __future__ import annotations
 
 import contextlib
-import errno
 import math
 import time
 from dataclasses import dataclass, field
@@ -39,10 +38,7 @@ from tqdm.auto import tqdm
 from chunk_grpo import distributed as D
 from chunk_grpo.advantages import multi_granularity_advantages, per_reward_advantages
 from chunk_grpo.branching import sample_branch_rollouts
-from chunk_grpo.checkpoint import (
-    DiskFullError,
-    latest_checkpoint,
-)
+from chunk_grpo.checkpoint import latest_checkpoint
 from chunk_grpo.chunking import ChunkLayout, select_chunks
 from chunk_grpo.cli import run_cli
 from chunk_grpo.config import (
@@ -71,7 +67,7 @@ from chunk_grpo.trainer_checkpoint import (
     restore_run,
     save_run_checkpoint,
 )
-from chunk_grpo.trainer_eval import evaluate, export_final, finish_summary
+from chunk_grpo.trainer_eval import evaluate, finish_run, finished_complete
 from chunk_grpo.trainer_setup import (
     PromptSets,
     Trainer,
@@ -85,6 +81,10 @@ from chunk_grpo.trainer_setup import (
 
 class TrainingDiverged(RuntimeError):
     """Too many consecutive iterations with NaN/Inf rewards, losses or gradients."""
+
+
+class NothingTrained(RuntimeError):
+    """A run ended without a single optimizer step; the message says why."""
 
 
 # ----------------------------------------------------------------------------- one iteration
@@ -284,11 +284,16 @@ def _default_run_dir() -> Path:
 
 
 def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = False,
-        on_step_end=None) -> Path:
+        on_step_end=None, trust_checkpoint: bool = False) -> Path:
     """Train; returns the run directory (with final_model/ exported at the end).
 
     ``on_step_end(step, metrics)`` is called after every iteration (e.g. to stop early).
+    ``trust_checkpoint``: resume from a checkpoint without a manifest (`chunk_grpo.checkpoint`).
+    Resuming a finished run changes nothing unless max_steps (or max_minutes) was changed.
     """
+    if cfg.run.max_steps == 0 and not resume:
+        raise ConfigError("max_steps is 0: a run with no iteration trains nothing; give "
+                          "--max-steps N (N >= 1)")
     # Before the run directory: a bad prompt file, a misspelt or failing reward or a bad model
     # path leaves nothing behind.
     prompt_sets = read_prompt_sets(cfg)
@@ -311,8 +316,11 @@ def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = F
         _make_run_dir(run_dir)
         lock.acquire()  # a second run on this directory stops here, before writing anything
     try:
-        tr, start, bad_streak = _start_or_resume(cfg, run_dir, info, resume, prompt_sets,
-                                                 reward_fn, policy)
+        started = _start_or_resume(cfg, run_dir, info, resume, prompt_sets, reward_fn, policy,
+                                   trust_checkpoint)
+        if started is None:  # a finished run, nothing asked of it: nothing changes
+            return run_dir
+        tr, start, bad_streak = started
         if info.is_main:
             print(f"[chunk-grpo] run dir {run_dir}; chunks {list(tr.layout.sizes)}; "
                   f"steps {start}..{cfg.run.max_steps}", flush=True)
@@ -332,12 +340,16 @@ def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = F
 
 
 def _start_or_resume(cfg: TrainConfig, run_dir: Path, info: D.DistInfo, resume: bool,
-                     prompt_sets: PromptSets, reward_fn, policy) -> tuple[Trainer, int, int]:
+                     prompt_sets: PromptSets, reward_fn, policy, trust_checkpoint: bool = False
+                     ) -> tuple[Trainer, int, int] | None:
     """The trainer, fresh or restored from the newest intact checkpoint (either format, saved
-    at any world size); (trainer, first step, bad streak)."""
+    at any world size); (trainer, first step, bad streak), or None for a finished run that is
+    left as it is."""
     saved = None
     if resume:
-        saved = find_run_checkpoint(run_dir)
+        saved = find_run_checkpoint(run_dir, trust=trust_checkpoint)
+        if _finished_unchanged(cfg, saved, run_dir, info):
+            return None
         cfg, change = config_for_world(cfg, saved, info.world_size)
         if change and info.is_main:
             print(change, flush=True)
@@ -360,6 +372,28 @@ def _start_or_resume(cfg: TrainConfig, run_dir: Path, info: D.DistInfo, resume: 
     return tr, saved.step, saved.bad_streak
 
 
+def _finished_unchanged(cfg: TrainConfig, saved, run_dir: Path, info: D.DistInfo) -> bool:
+    """Whether a resume leaves the run as it is: its checkpoint is the step it finished at
+    (summary and final model written) and neither max_steps was raised above it nor max_minutes
+    changed (then one line says so). A max_steps below the checkpoint's step is a ConfigError:
+    nothing is changed either."""
+    step, asked = saved.step, cfg.run.max_steps
+    finished = finished_complete(run_dir, step)
+    if asked < step:
+        raise ConfigError(f"{run_dir} is at step {step}, beyond max_steps {asked}: nothing to "
+                          f"train and nothing changed; give --max-steps above {step} to train "
+                          "further")
+    before = build_config(None, saved.state["config"]).run
+    more = asked > step and (asked > before.max_steps or cfg.run.max_minutes != before.max_minutes)
+    if not finished or more:
+        return False
+    if info.is_main:
+        print(f"[chunk-grpo] {run_dir} finished at step {step} (summary.txt and final_model "
+              f"kept); nothing changed: give --max-steps above {step} to train further",
+              flush=True)
+    return True
+
+
 def _make_run_dir(run_dir: Path) -> None:
     """Create the run directory, or say in one line why it cannot be written."""
     try:
@@ -379,10 +413,12 @@ def _train_loop(tr: Trainer, start: int, bad_streak: int, on_step_end) -> None:
     t_start = time.time()
     bar = tqdm(range(start, cfg.run.max_steps), initial=start, total=cfg.run.max_steps,
                disable=not (cfg.run.progress and info.is_main), desc="chunk-grpo")
-    step = start
+    last = start
     for step in bar:
         try:
             metrics, finite = train_iteration(tr, step)
+            last = step + 1
+            _count_steps(tr.counts, metrics)
             bad_streak = 0 if finite else bad_streak + 1
             done = step + 1 == cfg.run.max_steps or (
                 cfg.run.max_minutes > 0 and time.time() - t_start > 60 * cfg.run.max_minutes)
@@ -408,19 +444,38 @@ def _train_loop(tr: Trainer, start: int, bad_streak: int, on_step_end) -> None:
             on_step_end(step + 1, metrics)
         if done:
             break
-    try:
-        model_dir = export_final(tr)  # every rank: a sharded model is gathered for rank 0
-    except OSError as err:
-        if err.errno != errno.ENOSPC:
-            raise
-        raise DiskFullError(errno.ENOSPC, f"no space left on device to export "
-                            f"{run_dir / 'final_model'}; the last checkpoint "
-                            f"{latest_checkpoint(run_dir)} is kept: free some space and run "
-                            f"--resume {run_dir} to export it") from None
-    if info.is_main:
-        text = finish_summary(tr, step + 1 - start, (time.time() - t_start) / 60, model_dir)
-        if cfg.run.progress:
-            print(text, flush=True)
+    _check_trained(tr, last)
+    # the summary, then final_model/ (every rank: a sharded model is gathered for rank 0)
+    text = finish_run(tr, last, last - start, (time.time() - t_start) / 60)
+    if info.is_main and cfg.run.progress:
+        print(text, flush=True)
+
+
+def _count_steps(counts: dict[str, int], metrics: dict) -> None:
+    """Add an iteration's optimizer steps and skips to the run's counts."""
+    if metrics.get("nonfinite") == "reward":
+        counts["reward_skipped"] += 1
+    else:
+        counts["optimizer_steps"] += int(metrics["optimizer_steps"])
+        counts["skipped_steps"] += int(metrics["skipped"])
+
+
+def _check_trained(tr: Trainer, step: int) -> None:
+    """A run that took no optimizer step at all is NothingTrained, with the cause: its final
+    model would be the base (nothing is exported and no summary written)."""
+    counts = tr.counts
+    if counts["optimizer_steps"] > 0:
+        return
+    causes = []
+    if counts["reward_skipped"]:
+        causes.append(f"the rewards were NaN/Inf in {counts['reward_skipped']} iteration(s) "
+                      "(check the reward)")
+    if counts["skipped_steps"]:
+        causes.append(f"the loss or gradient was NaN/Inf at all {counts['skipped_steps']} "
+                      "optimizer step(s) (lower lr, eta or the clip range)")
+    raise NothingTrained(f"no optimizer step in {step} iteration(s): "
+                         f"{'; '.join(causes) or 'nothing was trained'}; final_model is not "
+                         f"exported (it would be the base model), {_kept_checkpoint(tr.run_dir)}")
 
 
 def _checkpoint(tr: Trainer, step: int, bad_streak: int) -> None:
@@ -446,14 +501,17 @@ def _kept_checkpoint(run_dir: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    yaml_path, overrides, resume = parse_args(argv)
+    yaml_path, overrides, resume, trust = parse_args(argv, trust_flag=True)
     if resume:
         run_dir = Path(resume)
         if not (run_dir / "config.yaml").is_file():
             raise ConfigError(f"--resume {resume}: no config.yaml there; give the run directory")
         # The saved config (nested, or flat from an earlier version), then the flags.
         cfg = build_config(run_dir / "config.yaml", overrides)
-        return run(cfg, run_dir=run_dir, resume=True)
+        return run(cfg, run_dir=run_dir, resume=True, trust_checkpoint=trust)
+    if trust:
+        raise ConfigError("--trust-checkpoint goes with --resume DIR (it lets a checkpoint "
+                          "without a manifest be resumed)")
     # No --config: the dataclass defaults, which configs/default.yaml spells out.
     return run(build_config(yaml_path, overrides))
 

@@ -43,7 +43,8 @@ def _run_state(tr: Trainer, bad_streak: int) -> dict:
     """What a sharded checkpoint keeps besides the shards (rank 0's small state)."""
     return {"scheduler": tr.scheduler.state_dict(), "bad_streak": bad_streak,
             "chunk_layout": list(tr.layout.sizes), "chunk_weights": tr.chunk_weights,
-            "config": tr.cfg.to_dict(), "ema_decay": tr.ema.decay if tr.ema else None}
+            "config": tr.cfg.to_dict(), "ema_decay": tr.ema.decay if tr.ema else None,
+            "counts": dict(tr.counts)}
 
 
 def _ema_tensors(tr: Trainer) -> dict[str, torch.Tensor] | None:
@@ -122,6 +123,7 @@ def restore_run(tr: Trainer, resume: Resume) -> None:
         load_sharded_checkpoint(resume.path, tr.module, tr.optimizer, extra=_ema_tensors(tr),
                                 restore_rng=True, verified=True)
         tr.scheduler.load_state_dict(resume.state["scheduler"])
+        tr.counts.update(resume.state.get("counts", {}))
         return
     if tr.info.world_size > 1 and tr.cfg.parallel.mode == "fsdp":
         raise CheckpointError(f"{resume.path} was written by one process; resume it on one "

@@ -57,6 +57,11 @@ class PromptSets:
         return [("train_prompts", self.train), ("eval_prompts", self.eval)]
 
 
+# What a run has done since its first step (kept in its checkpoints): optimizer steps taken,
+# steps skipped for a NaN/Inf loss or gradient, iterations skipped for NaN/Inf rewards.
+STEP_COUNTS = {"optimizer_steps": 0, "skipped_steps": 0, "reward_skipped": 0}
+
+
 @dataclass
 class Trainer:
     """Everything an iteration touches."""
@@ -81,6 +86,7 @@ class Trainer:
     base_evals: dict = field(default_factory=dict)  # image count -> the base's EvalResult
     final_evals: dict = field(default_factory=dict)  # "eval"/"eval_hybrid" -> final EvalResult
     warned_constant: set[str] = field(default_factory=set)  # rewards warned of as constant
+    counts: dict[str, int] = field(default_factory=lambda: dict(STEP_COUNTS))  # whole run
 
     @property
     def shift(self) -> float:
@@ -306,6 +312,7 @@ def checkpoint_state(tr: Trainer, bad_streak: int) -> dict:
         "chunk_layout": list(tr.layout.sizes),
         "chunk_weights": tr.chunk_weights,
         "config": tr.cfg.to_dict(),
+        "counts": dict(tr.counts),
     }
 
 
@@ -316,3 +323,4 @@ def restore_state(tr: Trainer, state: dict) -> None:
     tr.scheduler.load_state_dict(state["scheduler"])
     if tr.ema is not None and state.get("ema") is not None:
         tr.ema.load_state_dict(state["ema"])
+    tr.counts.update(state.get("counts", {}))

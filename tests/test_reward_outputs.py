@@ -10,7 +10,7 @@ from chunk_grpo.cli import run_command
 from chunk_grpo.metrics import read_metrics
 from chunk_grpo.rewards import RewardOutputError, register_reward
 from chunk_grpo.rewards.outputs import call_reward, check_reward_output
-from chunk_grpo.train import TrainingDiverged, run
+from chunk_grpo.train import NothingTrained, TrainingDiverged, run
 
 
 def _brightness(images):
@@ -111,7 +111,7 @@ def _config(tmp_path, mode, from_call=1, **overrides):
 
 @pytest.mark.parametrize("mode, outcome", [
     ("list", "trains"), ("numpy", "trains"), ("constant", "warns once"),
-    ("nan", "skips the step"), ("wrong_length", "stops before the run"),
+    ("nan", "stops before the run"), ("wrong_length", "stops before the run"),
     ("strings", "stops before the run"), ("raise", "stops before the run"),
 ])
 def test_bad_outputs_in_a_run(tmp_path, capsys, mode, outcome):
@@ -134,12 +134,28 @@ def test_bad_outputs_in_a_run(tmp_path, capsys, mode, outcome):
     if outcome == "trains":
         assert [r["skipped"] for r in records] == [0, 0] and warnings == 0
         assert 0 < records[0]["reward_mean"] < 1
-    elif outcome == "warns once":
-        assert warnings == 1 and records[0]["adv_abs_max"] == 0.0
     else:
-        assert [r["skipped"] for r in records] == [1, 1]
-        assert [r["nonfinite"] for r in records] == ["reward", "reward"]
-        assert latest_checkpoint(out) is None  # no good step: nothing saved as if it were
+        assert warnings == 1 and records[0]["adv_abs_max"] == 0.0
+
+
+def test_a_run_whose_rewards_are_all_nan_trains_nothing_and_fails_in_one_line(tmp_path, capsys):
+    """Finite on the start-up probe, NaN on every rollout: every iteration is skipped, and a run
+    with no optimizer step is exit 2 with the cause (no summary, no final model)."""
+    cfg = _config(tmp_path, "nan", from_call=2, max_steps=2, checkpoint_every=1,
+                  max_bad_steps=5)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        run_command(lambda: run(cfg), "prog", errors=(NothingTrained,))
+    err = _error_line(capsys.readouterr().err)
+    assert stop.value.code == 2
+    assert ("no optimizer step in 2 iteration(s): the rewards were NaN/Inf in 2 iteration(s)"
+            in err and "final_model is not exported" in err)
+    out = tmp_path / "run"
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["skipped"] for r in records] == [1, 1]
+    assert [r["nonfinite"] for r in records] == ["reward", "reward"]
+    assert latest_checkpoint(out) is None  # no good step: nothing saved as if it were
+    assert not (out / "final_model").exists() and not (out / "summary.json").exists()
 
 
 def test_a_reward_failing_mid_run_stops_in_one_line_naming_the_intact_checkpoint(tmp_path,
