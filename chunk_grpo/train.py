@@ -471,7 +471,7 @@ def _check_trained(tr: Trainer, step: int) -> None:
         causes.append(f"the rewards were NaN/Inf in {counts['reward_skipped']} iteration(s) "
                       "(check the reward)")
     if counts["skipped_steps"]:
-        causes.append(f"the loss or gradient was NaN/Inf at all {counts['skipped_steps']} "
+        causes.append(f"the loss or gradient were NaN/Inf at all {counts['skipped_steps']} "
                       "optimizer step(s) (lower lr, eta or the clip range)")
     raise NothingTrained(f"no optimizer step in {step} iteration(s): "
                          f"{'; '.join(causes) or 'nothing was trained'}; final_model is not "
