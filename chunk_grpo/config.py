@@ -66,6 +66,7 @@ class RewardConfig:
     device: str = ""  # "" = the trainer's device; rewards get bf16 on CUDA, fp32 on CPU
     batch_size: int = 0  # images per reward call; 0 = a whole rollout batch
     overlap: bool = True  # score rollout batch i while batch i+1 is sampled
+    timeout: float = 0.0  # seconds a rollout batch's reward call may take; 0 = no limit
 
 
 @dataclass
@@ -189,7 +190,7 @@ FLAT_ALIASES: dict[str, str] = {
     "prompt_cache_dir": "model.prompt_cache_dir",
     "reward": "reward.name", "mix_advantage": "reward.mix_advantage",
     "reward_device": "reward.device", "reward_batch_size": "reward.batch_size",
-    "reward_overlap": "reward.overlap",
+    "reward_overlap": "reward.overlap", "reward_timeout": "reward.timeout",
     "train_prompts": "data.train_prompts", "eval_prompts": "data.eval_prompts",
     "algorithm": "sampling.algorithm", "g2rpo_granularities": "sampling.g2rpo_granularities",
     "num_steps": "sampling.steps", "shift": "sampling.shift",

@@ -49,6 +49,7 @@ from chunk_grpo.config import (
     parse_args,
     save_config,
 )
+from chunk_grpo.errors import interruption
 from chunk_grpo.memory_plan import check_plan
 from chunk_grpo.metrics import reward_captions, save_image_grid
 from chunk_grpo.parallelize import any_rank, clip_grad_norm, sync_gradients
@@ -137,7 +138,8 @@ def collect_batch(tr: Trainer, step: int, timer: _PhaseTimer | None = None, *,
                   step=step, row_offset=info.rank * len(prompts) * sampling.group_size,
                   batch_size=sampling.batch_size, antithetic_noise=sampling.antithetic_noise,
                   decode=sampling.decode, mixed_precision=cfg.model.mixed_precision)
-    with RolloutScorer(tr.reward_fn, overlap=cfg.reward.overlap) as scorer:
+    with RolloutScorer(tr.reward_fn, overlap=cfg.reward.overlap,
+                       timeout=cfg.reward.timeout) as scorer:
         with timer("rollout"):
             if g2rpo:
                 chunks = select_chunks(tr.layout.num_chunks, 1 / tr.layout.num_chunks,
@@ -329,11 +331,12 @@ def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = F
                   flush=True)
         _train_loop(tr, start, bad_streak, on_step_end)
         tr.logger.close()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (`chunk_grpo.cli`)
         last = latest_checkpoint(run_dir)
         where = (f"resume from {last} with --resume {run_dir}" if last is not None else
                  "no checkpoint was written yet")
-        raise RunInterrupted(f"interrupted (Ctrl-C); {where}") from None
+        what, status = interruption(err)
+        raise RunInterrupted(f"interrupted ({what}); {where}", status) from None
     finally:
         lock.release()
     return run_dir
