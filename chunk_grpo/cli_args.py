@@ -330,6 +330,8 @@ def quiet_third_party(verbose: bool = False) -> None:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     for pattern in _NOISE:
         warnings.filterwarnings("ignore", message=pattern)
+    # bitsandbytes warns on import, on a CPU with AVX512-BF16, that an optional kernel is absent
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     for name in ("transformers", "diffusers"):
         logging.getLogger(name).setLevel(logging.ERROR)
         module = sys.modules.get(f"{name}.utils.logging")

@@ -276,3 +276,11 @@ def test_a_full_disk_at_export_keeps_the_checkpoint_and_says_how_to_finish(tmp_p
     monkeypatch.undo()
     run(build_config(out / "config.yaml"), run_dir=out, resume=True)  # exports, trains nothing
     assert (out / "final_model" / "model_index.json").is_file()
+
+
+def test_a_diverged_run_and_one_that_trained_nothing_are_one_line_errors():
+    from chunk_grpo.cli import _loaded_one_line_errors
+    from chunk_grpo.train import NothingTrained
+
+    kinds = _loaded_one_line_errors()
+    assert TrainingDiverged in kinds and NothingTrained in kinds

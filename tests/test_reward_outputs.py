@@ -8,8 +8,9 @@ from trainer_utils import tiny_config, tiny_model_dir
 from chunk_grpo.checkpoint import latest_checkpoint, load_checkpoint
 from chunk_grpo.cli import run_command
 from chunk_grpo.metrics import read_metrics
-from chunk_grpo.rewards import RewardOutputError, register_reward
+from chunk_grpo.rewards import RewardOutputError, get_reward, register_reward
 from chunk_grpo.rewards.outputs import call_reward, check_reward_output
+from chunk_grpo.rewards.registry import RewardLoadError
 from chunk_grpo.train import NothingTrained, TrainingDiverged, run
 
 
@@ -183,3 +184,25 @@ def test_diverged_run_names_a_checkpoint_that_exists_or_none(tmp_path):
     named = str(err.value).split("its last checkpoint ")[1].split(" is intact")[0]
     assert named.endswith("step-00000001")
     assert load_checkpoint(named, restore_rng=False)["step"] == 1
+
+
+def test_a_reward_calling_sys_exit_is_a_reward_error_not_the_end_of_the_run():
+    def quits(images, prompts):
+        raise SystemExit(0)
+
+    with pytest.raises(RewardOutputError, match=r"^reward 'quits' raised SystemExit while "
+                                                r"scoring 2 images"):
+        call_reward("quits", quits, torch.rand(2, 3, 4, 4), ["a", "b"])
+
+
+def test_a_reward_module_that_fails_to_import_is_one_line(tmp_path, monkeypatch):
+    (tmp_path / "fails_on_import.py").write_text("import os\nx = 1 / 0\n")
+    (tmp_path / "lacks_a_dependency.py").write_text("import not_a_real_package_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RewardLoadError, match=r"importing module 'fails_on_import' failed at "
+                                              r".*fails_on_import.py:2: ZeroDivisionError: "
+                                              r"division by zero; fix the module") as err:
+        get_reward("fails_on_import:r")
+    assert "\n" not in str(err.value)
+    with pytest.raises(RewardLoadError, match="No module named 'not_a_real_package_xyz'"):
+        get_reward("lacks_a_dependency:r")

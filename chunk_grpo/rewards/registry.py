@@ -10,6 +10,7 @@ which runs its `@register_reward` decorators. "remote:URL" is the client of a re
 from __future__ import annotations
 
 import importlib
+import traceback
 from collections.abc import Callable
 from typing import Protocol
 
@@ -65,11 +66,24 @@ def _import_reward_module(spec: str) -> str:
     try:
         importlib.import_module(module)
     except ModuleNotFoundError as err:
-        if err.name is None or not module.startswith(err.name):
-            raise  # the module exists but one of its own imports is missing
+        if err.name is None or not module.startswith(err.name):  # one of its own imports
+            raise RewardLoadError(_import_failed(spec, module, err)) from err
         raise UnknownRewardError(f"reward {spec!r}: cannot import module {module!r}; run from "
                                  f"the directory that holds it or add it to PYTHONPATH") from None
+    except Exception as err:  # the module's own code failed: name where, in one line
+        raise RewardLoadError(_import_failed(spec, module, err)) from err
     return name
+
+
+def _import_failed(spec: str, module: str, err: Exception) -> str:
+    """One line: which module failed to import, where in it, and why."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if not f.filename.startswith("<frozen")]
+    where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    detail = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return (f"reward {spec!r}: importing module {module!r} failed{where}: "
+            f"{type(err).__name__}{': ' + detail if detail else ''}; fix the module (or install "
+            "what it imports)")
 
 
 def reward_factory(spec: str) -> tuple[Callable[..., Reward], dict]:
