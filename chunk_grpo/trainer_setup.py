@@ -187,6 +187,11 @@ def load_checked_policy(cfg: TrainConfig, device: torch.device) -> FluxPolicy:
     (the profile, LoRA's initialisation) draws from the seeded generator."""
     torch.manual_seed(cfg.run.seed)
     policy = load_policy(cfg, device)
+    try:
+        policy.latent_grid()
+    except ValueError as err:
+        raise ConfigError(f"model.height/model.width: {err}; choose an image size the model's "
+                          "latent grid divides") from None
     eval_steps = policy.defaults.num_steps  # evaluation samples as `chunk_grpo.evaluate` does
     if cfg.eval.hybrid_steps > eval_steps:
         raise ConfigError(f"eval_hybrid_steps={cfg.eval.hybrid_steps} exceeds the {eval_steps} "

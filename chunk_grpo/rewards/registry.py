@@ -9,6 +9,7 @@ which runs its `@register_reward` decorators. "remote:URL" is the client of a re
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import traceback
 from collections.abc import Callable
@@ -97,6 +98,8 @@ def reward_factory(spec: str) -> tuple[Callable[..., Reward], dict]:
             raise UnknownRewardError(f"reward {spec!r} is a mix: build it with "
                                      f"chunk_grpo.rewards.build_reward, not get_reward")
         where = f" after importing {spec.partition(':')[0]!r}" if spec != name else ""
+        close = difflib.get_close_matches(name, available_rewards(), n=1)
+        where += f" (did you mean {close[0]!r}?)" if close else ""
         raise UnknownRewardError(f"unknown reward {name!r}{where}; available: "
                                  f"{available_rewards()}. Register your own with "
                                  f"@register_reward('name') in a module and pass 'module:name'")
