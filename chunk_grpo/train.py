@@ -46,6 +46,7 @@ from chunk_grpo.config import (
     RunInterrupted,
     TrainConfig,
     build_config,
+    load_yaml,
     parse_args,
     save_config,
 )
@@ -63,6 +64,7 @@ from chunk_grpo.scoring import RolloutScorer, constant_within_groups
 from chunk_grpo.specs import parse_granularities
 from chunk_grpo.trainer_checkpoint import (
     NonFiniteWeights,
+    check_fixed_keys,
     config_for_world,
     find_run_checkpoint,
     restore_run,
@@ -351,6 +353,7 @@ def _start_or_resume(cfg: TrainConfig, run_dir: Path, info: D.DistInfo, resume: 
     saved = None
     if resume:
         saved = find_run_checkpoint(run_dir, trust=trust_checkpoint)
+        check_fixed_keys(cfg, saved)
         if _finished_unchanged(cfg, saved, run_dir, info):
             return None
         cfg, change = config_for_world(cfg, saved, info.world_size)
@@ -509,6 +512,9 @@ def main(argv: list[str] | None = None) -> Path:
         run_dir = Path(resume)
         if not (run_dir / "config.yaml").is_file():
             raise ConfigError(f"--resume {resume}: no config.yaml there; give the run directory")
+        if not load_yaml(run_dir / "config.yaml"):
+            raise ConfigError(f"--resume {resume}: its config.yaml is empty; "
+                              "restore it (its checkpoints were saved with it)")
         # The saved config (nested, or flat from an earlier version), then the flags.
         cfg = build_config(run_dir / "config.yaml", overrides)
         return run(cfg, run_dir=run_dir, resume=True, trust_checkpoint=trust)

@@ -22,7 +22,7 @@ from chunk_grpo.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from chunk_grpo.config import TrainConfig, build_config
+from chunk_grpo.config import ConfigError, TrainConfig, build_config
 from chunk_grpo.parallelize import all_finite
 from chunk_grpo.sharded_checkpoint import (
     TRAINER,
@@ -97,6 +97,24 @@ def find_run_checkpoint(run_dir: Path, *, trust: bool = False) -> Resume:
     return Resume(path=path, step=state["step"], bad_streak=state["bad_streak"],
                   layout=tuple(state["chunk_layout"]), chunk_weights=state["chunk_weights"],
                   state=state)
+
+
+# What the checkpoint's tensors and chunk layout were built from: these cannot change on resume.
+FIXED_ON_RESUME = ("model.name", "model.lora_rank", "model.lora_alpha", "model.lora_targets",
+                   "sampling.algorithm", "sampling.steps", "sampling.sde_window",
+                   "chunks.spec", "chunks.size", "optim.name", "run.output_dir")
+
+
+def check_fixed_keys(cfg: TrainConfig, resume: Resume) -> None:
+    """A ConfigError naming every `FIXED_ON_RESUME` key whose value differs from the one the
+    checkpoint was saved with (nothing is changed)."""
+    saved = build_config(None, resume.state["config"])
+    changed = [f"{path} {saved.get(path)!r} -> {cfg.get(path)!r}" for path in FIXED_ON_RESUME
+               if saved.get(path) != cfg.get(path)]
+    if changed:
+        raise ConfigError(f"{resume.path} was saved with other values of keys that cannot change "
+                          f"on resume ({'; '.join(changed)}): resume without changing them, or "
+                          "start a new run with another output_dir")
 
 
 def config_for_world(cfg: TrainConfig, resume: Resume, world_size: int) -> tuple[TrainConfig,

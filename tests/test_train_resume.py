@@ -161,3 +161,27 @@ def test_a_run_diverging_at_once_fails_with_the_cause(tmp_path):
         run(cfg)
     assert not (tmp_path / "run" / "final_model").exists()
     assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_keys_that_cannot_change_on_resume_are_refused_in_one_line(tmp_path, capsys):
+    from chunk_grpo.cli import run_command
+    from chunk_grpo.train import main
+
+    out = run(tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", max_steps=1,
+                          checkpoint_every=1))
+    before = _files(out)
+
+    def refused(*flags) -> str:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as stop:
+            run_command(lambda: main(["--resume", str(out), "--max-steps", "2", *flags]), "prog")
+        lines = [line for line in capsys.readouterr().err.splitlines() if "prog:" in line]
+        assert stop.value.code == 2 and len(lines) == 1
+        return lines[0]
+
+    line = refused("--lora-rank", "2", "--chunks", "1,3")
+    assert ("cannot change on resume (model.lora_rank 0 -> 2; chunks.spec '2,2' -> '1,3')"
+            in line)
+    assert _files(out) == before
+    (out / "config.yaml").write_text("")
+    assert "its config.yaml is empty" in refused()
