@@ -64,6 +64,7 @@ from chunk_grpo.scoring import RolloutScorer, constant_within_groups
 from chunk_grpo.specs import parse_granularities
 from chunk_grpo.trainer_checkpoint import (
     NonFiniteWeights,
+    apply_resume_changes,
     check_fixed_keys,
     config_for_world,
     find_run_checkpoint,
@@ -372,6 +373,9 @@ def _start_or_resume(cfg: TrainConfig, run_dir: Path, info: D.DistInfo, resume: 
     if saved is None:
         return tr, 0, 0
     restore_run(tr, saved)
+    change = apply_resume_changes(tr, saved)
+    if change and info.is_main:
+        print(change, flush=True)
     tr.logger.truncate_after(saved.step)
     if info.is_main:
         save_config(cfg, run_dir / "config.yaml")

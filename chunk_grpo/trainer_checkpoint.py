@@ -22,7 +22,7 @@ from chunk_grpo.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from chunk_grpo.config import ConfigError, TrainConfig, build_config
+from chunk_grpo.config import PATHS, ConfigError, TrainConfig, build_config
 from chunk_grpo.parallelize import all_finite
 from chunk_grpo.sharded_checkpoint import (
     TRAINER,
@@ -115,6 +115,37 @@ def check_fixed_keys(cfg: TrainConfig, resume: Resume) -> None:
         raise ConfigError(f"{resume.path} was saved with other values of keys that cannot change "
                           f"on resume ({'; '.join(changed)}): resume without changing them, or "
                           "start a new run with another output_dir")
+
+
+# Set per rank by `config_for_world`, which prints its own line when they change.
+_PER_RANK = ("sampling.prompts_per_step", "optim.grad_accum")
+# What the restored optimizer and schedule hold that the config sets.
+_OPTIMIZER_KEYS = ("optim.lr", "optim.weight_decay", "optim.beta1", "optim.beta2", "optim.eps",
+                   "optim.warmup_steps", "optim.schedule", "optim.ema_decay", "run.max_steps")
+
+
+def apply_resume_changes(tr: Trainer, resume: Resume) -> str | None:
+    """Apply to a restored trainer the settings that changed since its checkpoint (the
+    optimizer's lr, betas, eps and weight decay, the schedule's length and shape, the EMA
+    decay; everything else is read from the config as the run goes), and return the line that
+    lists every changed key (None: nothing changed)."""
+    saved, cfg = build_config(None, resume.state["config"]), tr.cfg
+    changed = [path for path in PATHS if path not in _PER_RANK and path not in FIXED_ON_RESUME
+               and saved.get(path) != cfg.get(path)]
+    if not changed:
+        return None
+    if any(path in _OPTIMIZER_KEYS for path in changed):
+        optim, scheduler = cfg.optim, tr.scheduler
+        scheduler.base_lrs = [optim.lr] * len(tr.optimizer.param_groups)
+        lrs = [optim.lr * factor(scheduler.last_epoch) for factor in scheduler.lr_lambdas]
+        for group, lr in zip(tr.optimizer.param_groups, lrs, strict=True):
+            group.update(lr=lr, initial_lr=optim.lr, weight_decay=optim.weight_decay,
+                         betas=(optim.beta1, optim.beta2), eps=optim.eps)
+        scheduler._last_lr = lrs  # what get_last_lr() reports until the next step
+        if tr.ema is not None:
+            tr.ema.decay = optim.ema_decay
+    return ("[chunk-grpo] resuming with changed settings: "
+            + ", ".join(f"{path} {saved.get(path)!r} -> {cfg.get(path)!r}" for path in changed))
 
 
 def config_for_world(cfg: TrainConfig, resume: Resume, world_size: int) -> tuple[TrainConfig,

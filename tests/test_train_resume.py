@@ -185,3 +185,18 @@ def test_keys_that_cannot_change_on_resume_are_refused_in_one_line(tmp_path, cap
     assert _files(out) == before
     (out / "config.yaml").write_text("")
     assert "its config.yaml is empty" in refused()
+
+
+def test_settings_changed_on_resume_are_applied_and_listed(tmp_path, capsys):
+    from chunk_grpo.train import main
+
+    out = run(tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", max_steps=2,
+                          checkpoint_every=1, lr=1e-3))
+    capsys.readouterr()
+    main(["--resume", str(out), "--max-steps", "3", "--lr", "5e-4", "--weight-decay", "0.1"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if "changed settings" in line]
+    assert lines == ["[chunk-grpo] resuming with changed settings: optim.lr 0.001 -> 0.0005, "
+                     "optim.weight_decay 0.0 -> 0.1, run.max_steps 2 -> 3"]
+    assert read_metrics(out / "metrics.jsonl")[-1]["lr"] == 5e-4  # the optimizer's, not 1e-3
+    group = load_checkpoint(out, restore_rng=False)["optimizer"]["param_groups"][0]
+    assert (group["lr"], group["weight_decay"]) == (5e-4, 0.1)
