@@ -56,6 +56,13 @@ from pathlib import Path
 
 import torch
 
+from chunk_grpo.cli_args import (
+    OneLineArgumentParser,
+    nonnegative_float,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+)
 from chunk_grpo.reward_spec import RewardSpecError
 from chunk_grpo.rewards.mix import RewardMix, build_reward
 from chunk_grpo.rewards.outputs import RewardError
@@ -399,35 +406,34 @@ def read_token(path: str) -> str:
     return lines[0].strip()
 
 
-def _port(text: str) -> int:
-    port = int(text)
-    if not 0 <= port <= 65535:
-        raise ValueError
+def port_number(text: str) -> int:
+    """argparse type: a TCP port, 0-65535 (0: a free one)."""
+    port = nonnegative_int(text)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number 0-65535, got {port}")
     return port
 
 
-_port.__name__ = "port (0-65535)"  # argparse's message: invalid port (0-65535) value
-
-
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m chunk_grpo.reward_server",
-                                description="Serve a registered reward (or a mix) over HTTP.")
+    p = OneLineArgumentParser(prog="python -m chunk_grpo.reward_server",
+                              description="Serve a registered reward (or a mix) over HTTP.")
     p.add_argument("--reward", required=True, help="reward spec, e.g. shapes or a=1.0,b=0.5")
-    p.add_argument("--port", type=_port, required=True, help="TCP port (0 = a free one)")
+    p.add_argument("--port", type=port_number, required=True, help="TCP port (0 = a free one)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--max-batch", type=int, default=32, help="images per reward call")
-    p.add_argument("--batch-wait-ms", type=float, default=5.0,
+    p.add_argument("--max-batch", type=positive_int, default=32, help="images per reward call")
+    p.add_argument("--batch-wait-ms", type=nonnegative_float, default=5.0,
                    help="how long to wait for more requests to batch with the first")
     p.add_argument("--device", default="", help="the reward's device (default: its own)")
     p.add_argument("--token-file", default=None,
                    help="require 'Authorization: Bearer TOKEN', TOKEN this file's first line")
-    p.add_argument("--threads", type=int, default=16, help="requests handled at once")
-    p.add_argument("--queue", type=int, default=64, help="requests waiting beyond those (503)")
-    p.add_argument("--max-body-mb", type=float, default=256.0,
+    p.add_argument("--threads", type=positive_int, default=16, help="requests handled at once")
+    p.add_argument("--queue", type=nonnegative_int, default=64,
+                   help="requests waiting beyond those (503)")
+    p.add_argument("--max-body-mb", type=positive_float, default=256.0,
                    help="largest request body (413 beyond it)")
-    p.add_argument("--read-timeout", type=float, default=30.0,
+    p.add_argument("--read-timeout", type=positive_float, default=30.0,
                    help="seconds a client may send nothing (408)")
-    p.add_argument("--score-timeout", type=float, default=600.0,
+    p.add_argument("--score-timeout", type=nonnegative_float, default=600.0,
                    help="seconds a request's reward may take (504; 0 = no limit)")
     p.add_argument("--verbose", action="store_true", help="log every request")
     args = p.parse_args(argv)
