@@ -2,12 +2,16 @@
 
     OMP_NUM_THREADS=1 python -m pytest benchmarks/bench_kernels.py
     OMP_NUM_THREADS=2 python -m pytest benchmarks/bench_kernels.py
+    python -m pytest benchmarks/bench_kernels.py --device cuda
 
-[7, 2025, 64] is a chunk of 7 timesteps at 720x720; [12, 4096, 64] a group of 12 at 1024x1024;
-[7, 64, 64] (sde_step_logprob, fp32) measures the fixed per-call cost.
+The cases and how they are measured live in `grpo_kernels.benchmark` (shared with
+`python -m chunk_grpo.gpu_check`): [7, 2025, 64] is a chunk of 7 timesteps at 720x720;
+[12, 4096, 64] a group of 12 at 1024x1024; [7, 64, 64] (sde_step_logprob, fp32) measures the
+fixed per-call cost. `--device` (default: cuda when available) puts the tensors there; on CUDA
+the rows are timed with CUDA events and their memory is `torch.cuda.max_memory_allocated`.
 The eager torch reference is the baseline; the summary table gives the speed-up over it, the
 effective GB/s (counted bytes / median time) beside the copy bandwidth measured in the same
-run, and the peak extra memory in units of one input tensor. The thread count comes from
+run, and the peak extra memory in units of one input tensor. The CPU thread count comes from
 OMP_NUM_THREADS (default 1: timings on shared cores swing wildly with more).
 """
 
@@ -21,183 +25,78 @@ import time
 
 import pytest
 import torch
-from kernel_bench_utils import COPY_GBPS, FIRST_CALL, peak_extra_bytes, record
+from kernel_bench_utils import FIRST_CALL, run_case
 
-import grpo_kernels as gk
+from grpo_kernels import benchmark as kb
 
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
-SHAPES = [(7, 2025, 64), (12, 4096, 64)]
-TINY = (7, 64, 64)
-DTYPES = [torch.float32, torch.bfloat16]
 BACKENDS = ["reference", "cpu_fused", "triton"]
-LOSS_SHAPES = [(12, 16), (96, 16)]  # one group of 12 / eight groups, 16 trained steps
-CHUNKS = [2, 3, 4, 7]
-ROUNDS = dict(rounds=20, warmup_rounds=3, iterations=1)
+# The FLUX shapes in both dtypes, plus a tiny one where the compute is negligible: its time
+# is the fixed per-call cost (validation, coefficients, autograd, the kernel call).
+LOGPROB_CASES = [(s, d) for s in kb.SHAPES for d in kb.DTYPES] + [(kb.TINY, torch.float32)]
+_shape_id = lambda s: "x".join(map(str, s))  # noqa: E731
 
 
-def _skip_triton(backend: str) -> None:
-    if backend == "triton" and not torch.cuda.is_available():
-        pytest.skip("Triton kernels need a CUDA GPU; on the CPU TRITON_INTERPRET=1 runs them "
-                    "~1000x slower (a correctness tool, tested in tests/, not benchmarked)")
-
-
-def _latents(shape, dtype, requires_grad=False):
-    g = torch.Generator().manual_seed(0)
-    x, v, e = (torch.randn(shape, generator=g).to(dtype) for _ in range(3))
-    batch = shape[0]
-    sigma = torch.linspace(0.95, 0.3, batch)
-    sigma_next = sigma - 0.05
-    x_next = (x.float() + (sigma_next - sigma).view(-1, 1, 1) * v.float() + 0.1 * e).to(dtype)
-    return x, v.requires_grad_(requires_grad), x_next, e, sigma, sigma_next
-
-
-def _bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+def _skip_unless_runs(backend: str, device: torch.device) -> None:
+    if backend not in kb.backends(device):
+        pytest.skip({"triton": "Triton kernels need a CUDA GPU (--device cuda); on the CPU "
+                               "TRITON_INTERPRET=1 runs them ~1000x slower (a correctness "
+                               "tool, tested in tests/, not benchmarked)",
+                     "cpu_fused": "the fused C kernels take CPU tensors (--device cpu)",
+                     }[backend])
 
 
 @pytest.mark.parametrize("kind", ["copy_", "clone"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_copy_bandwidth(benchmark, shape, dtype, kind):
-    # The machine's copy bandwidth for this tensor size: read + write = 2 x its bytes.
-    # "copy_" writes into a preallocated tensor (pure bandwidth: the stricter yardstick, used
-    # for "% copy"); "clone" also allocates, like an op that returns a new tensor.
-    x = _latents(shape, dtype)[0]
-    out = torch.empty_like(x)
-    fn = x.clone if kind == "clone" else lambda: out.copy_(x)
-    benchmark.pedantic(fn, **ROUNDS)
-    row = record(benchmark, op="copy", mode=kind, backend="torch", shape=shape, dtype=dtype,
-                 counted_bytes=2 * _bytes(x), input_bytes=_bytes(x), peak=peak_extra_bytes(fn))
-    if kind == "copy_":
-        COPY_GBPS[(tuple(shape), row["dtype"])] = row["gbps"]
-
-
-# The FLUX shapes in both dtypes, plus a tiny one where the compute is negligible: its time
-# is the fixed per-call cost (validation, coefficients, autograd, the ctypes call).
-LOGPROB_CASES = [(shape, dtype) for shape in SHAPES for dtype in DTYPES] + [(TINY, torch.float32)]
+@pytest.mark.parametrize("dtype", kb.DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", kb.SHAPES, ids=_shape_id)
+def test_copy_bandwidth(benchmark, device, shape, dtype, kind):
+    # The device's copy bandwidth for this tensor size: read + write = 2 x its bytes.
+    run_case(benchmark, kb.copy_case(shape, dtype, device, kind), device)
 
 
 @pytest.mark.parametrize("mode", ["forward", "backward", "full"])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     "shape, dtype", LOGPROB_CASES,
-    ids=["x".join(map(str, s)) + "-" + str(d).split(".")[-1] for s, d in LOGPROB_CASES],
+    ids=[_shape_id(s) + "-" + kb.dtype_name(d) for s, d in LOGPROB_CASES],
 )
-def test_sde_step_logprob(benchmark, shape, dtype, backend, mode):
-    _skip_triton(backend)
-    x, v, x_next, _, sigma, sigma_next = _latents(shape, dtype, requires_grad=mode != "forward")
-
-    def forward():
-        return gk.sde_step_logprob(x, v, x_next, sigma, sigma_next, eta=0.7, backend=backend)
-
-    def full():
-        return torch.autograd.grad(forward().sum(), v)
-
-    if mode == "backward":
-        # Time the backward alone: a fresh forward graph per round, built outside the timer.
-        grad_out = torch.ones(shape[0])
-        setup = lambda: ((forward(),), {})  # noqa: E731
-        target = lambda logp: torch.autograd.grad(logp, v, grad_out)  # noqa: E731
-        benchmark.pedantic(target, setup=setup, rounds=20, warmup_rounds=3)
-        logp = forward()
-        peak = peak_extra_bytes(lambda: target(logp))
-    else:
-        fn = full if mode == "full" else forward
-        benchmark.pedantic(fn, **ROUNDS)
-        peak = peak_extra_bytes(fn)
-    # Counted bytes: the forward reads x, v, x' once; the backward reads them again and
-    # writes grad_v (the mean is never stored, so nothing else has to move).
-    n = _bytes(x)
-    counted = {"forward": 3 * n, "backward": 4 * n, "full": 7 * n}[mode]
-    record(benchmark, op="sde_step_logprob", mode=mode, backend=backend, shape=shape,
-           dtype=dtype, counted_bytes=counted, input_bytes=n, peak=peak)
+def test_sde_step_logprob(benchmark, device, shape, dtype, backend, mode):
+    _skip_unless_runs(backend, device)
+    run_case(benchmark, kb.logprob_case(shape, dtype, backend, mode, device), device)
 
 
 @pytest.mark.parametrize("mode", ["forward", "full"])
-@pytest.mark.parametrize("shape", [SHAPES[0], TINY], ids=lambda s: "x".join(map(str, s)))
-def test_sde_step_logprob_without_validation(benchmark, shape, mode):
+@pytest.mark.parametrize("shape", [kb.SHAPES[0], kb.TINY], ids=_shape_id)
+def test_sde_step_logprob_without_validation(benchmark, device, shape, mode):
     """The documented fast path: validate=False skips the value checks (on CUDA the one host
-    sync per call). Its backend column reads "fast-path"; compare with the cpu_fused row."""
-    x, v, x_next, _, sigma, sigma_next = _latents(shape, torch.float32, mode == "full")
-
-    def forward():
-        return gk.sde_step_logprob(x, v, x_next, sigma, sigma_next, eta=0.7,
-                                   backend="cpu_fused", validate=False)
-
-    fn = (lambda: torch.autograd.grad(forward().sum(), v)) if mode == "full" else forward
-    benchmark.pedantic(fn, **ROUNDS)
-    n = _bytes(x)
-    record(benchmark, op="sde_step_logprob", mode=mode, backend="fast-path", shape=shape,
-           dtype=torch.float32, counted_bytes={"forward": 3 * n, "full": 7 * n}[mode],
-           input_bytes=n, peak=peak_extra_bytes(fn))
+    sync per call). Its backend column reads "fast-path"; compare with the fused row."""
+    backend = kb.backends(device)[1]
+    run_case(benchmark, kb.logprob_case(shape, torch.float32, backend, mode, device,
+                                        validate=False), device)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_sde_step_sample(benchmark, shape, dtype, backend):
-    _skip_triton(backend)
-    x, v, _, noise, sigma, sigma_next = _latents(shape, dtype)
-
-    def sample():
-        return gk.sde_step_sample(x, v, noise, sigma, sigma_next, eta=0.7, backend=backend)
-
-    benchmark.pedantic(sample, **ROUNDS)
-    # Counted: read x, v, eps, write x'. (The logp is then recomputed from the stored x',
-    # another read of x, v, x', so it is bit-identical to sde_step_logprob's: not counted.)
-    n = _bytes(x)
-    record(benchmark, op="sde_step_sample", mode="forward", backend=backend, shape=shape,
-           dtype=dtype, counted_bytes=4 * n, input_bytes=n, peak=peak_extra_bytes(sample))
+@pytest.mark.parametrize("dtype", kb.DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", kb.SHAPES, ids=_shape_id)
+def test_sde_step_sample(benchmark, device, shape, dtype, backend):
+    _skip_unless_runs(backend, device)
+    run_case(benchmark, kb.sample_case(shape, dtype, backend, device), device)
 
 
 @pytest.mark.parametrize("impl", ["reference", "ode_step"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_ode_step(benchmark, shape, dtype, impl):
-    x, v, _, _, sigma, sigma_next = _latents(shape, dtype)
-    dt = (sigma_next - sigma).view(-1, 1, 1)
-    if impl == "reference":
-        fn = lambda: (x.float() + dt * v.float()).to(dtype)  # noqa: E731
-    else:
-        fn = lambda: gk.ode_step(x, v, sigma, sigma_next)  # noqa: E731
-    benchmark.pedantic(fn, **ROUNDS)
-    n = _bytes(x)
-    record(benchmark, op="ode_step", mode="forward", backend=impl, shape=shape, dtype=dtype,
-           counted_bytes=3 * n, input_bytes=n, peak=peak_extra_bytes(fn))
+@pytest.mark.parametrize("dtype", kb.DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", kb.SHAPES, ids=_shape_id)
+def test_ode_step(benchmark, device, shape, dtype, impl):
+    run_case(benchmark, kb.ode_case(shape, dtype, impl, device), device)
 
 
 @pytest.mark.parametrize("mode", ["forward", "backward", "full"])
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("shape", LOSS_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_chunk_grpo_loss(benchmark, shape, backend, mode):
-    _skip_triton(backend)
-    g = torch.Generator().manual_seed(0)
-    logp_old = torch.randn(shape, generator=g)
-    logp_new = (logp_old + 0.01 * torch.randn(shape, generator=g)).requires_grad_()
-    advantages = torch.randn(shape[0], generator=g)
-
-    def forward():
-        return gk.chunk_grpo_loss(logp_new, logp_old, advantages, CHUNKS, clip_low=1e-3,
-                                  clip_high=1e-3, kl_coef=0.01, backend=backend)[0]
-
-    def full():
-        return torch.autograd.grad(forward(), logp_new)
-
-    if mode == "backward":
-        setup = lambda: ((forward(),), {})  # noqa: E731
-        target = lambda loss: torch.autograd.grad(loss, logp_new)  # noqa: E731
-        benchmark.pedantic(target, setup=setup, rounds=50, warmup_rounds=5)
-        loss = forward()
-        peak = peak_extra_bytes(lambda: target(loss))
-    else:
-        fn = full if mode == "full" else forward
-        benchmark.pedantic(fn, rounds=50, warmup_rounds=5, iterations=1)
-        peak = peak_extra_bytes(fn)
-    n = _bytes(logp_old)  # reads logp_new, logp_old (+ advantages); writes grad_logp_new
-    counted = {"forward": 2 * n, "backward": n, "full": 3 * n}[mode]
-    record(benchmark, op="chunk_grpo_loss", mode=mode, backend=backend, shape=shape,
-           dtype=torch.float32, counted_bytes=counted, input_bytes=n, peak=peak)
+@pytest.mark.parametrize("shape", kb.LOSS_SHAPES, ids=_shape_id)
+def test_chunk_grpo_loss(benchmark, device, shape, backend, mode):
+    _skip_unless_runs(backend, device)
+    run_case(benchmark, kb.loss_case(shape, backend, mode, device), device)
 
 
 _FIRST_CALL = """
@@ -218,9 +117,9 @@ print(first, time.perf_counter() - t)
 
 @pytest.mark.parametrize("cache", ["cold", "warm"])
 def test_first_call_compile_cost(benchmark, tmp_path_factory, cache):
-    """First fused forward+backward in a fresh process: the C kernels are compiled with the
-    system compiler and loaded. "cold" starts from an empty kernel cache (a fresh machine, CI),
-    "warm" reuses the library the cold run just built (any later process)."""
+    """First fused forward+backward on the CPU in a fresh process: the C kernels are compiled
+    with the system compiler and loaded. "cold" starts from an empty kernel cache (a fresh
+    machine, CI), "warm" reuses the library the cold run just built (any later process)."""
     cache_dir = tmp_path_factory.getbasetemp() / "grpo-kernels-cache"
     env = dict(os.environ, GRPO_KERNELS_CACHE=str(cache_dir))
     code = _FIRST_CALL.format(threads=torch.get_num_threads())

@@ -1,27 +1,36 @@
-"""Cross-check of the memory plan against a measured CPU run (run by hand, not in CI).
+"""The memory plan of every phase against the peaks a real training run measures (by hand, not CI).
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_plan_check.py [--gradient-checkpointing]
+    OMP_NUM_THREADS=1 python benchmarks/bench_plan_check.py --ranks 2
 
-The model is the FLUX.1-dev-shaped one of the issue: FLUX.1-dev's real transformer config with
-1 double-stream and 1 single-stream block (545M parameters), FLUX.1-dev's real VAE config, tiny
-text encoders with T5-XXL's and CLIP-L's output widths (`chunk_grpo.models.tiny`), random weights.
-The plan (`chunk_grpo.memory_plan`) is computed for it on the CPU: fp32, one process,
-parallelism none, full fine-tuning with AdamW, no hybrid-evaluation base (its second copy of
-the weights would take the measured process past the memory free on this shared machine); only
-its config files are written to disk.
+Memory: full fine-tuning with AdamW and the hybrid base holds 18 bytes per parameter across the
+ranks (fp32 weights, gradients, two moments; the bf16 base) plus each rank's working set: about
+8.3 GB per rank for the 545M model on 2 ranks (the plan's train phase). The run refuses to start
+with less than 1.5 times that free.
 
-The measurement runs in a fresh subprocess what the plan counts: it builds the same parts
-(transformer, VAE, text encoders), AdamW with its state allocated by a first step, then one
-training call as the trainer makes it (chunk x micro-batch rows, forward + backward), and an
-optimizer step. Peak memory: the kernel's high-water mark of the process's
-resident memory (VmHWM in /proc/self/status) minus its resident memory after the imports (the
-interpreter, torch and diffusers, which the plan does not count). glibc returns big blocks to
-the kernel when freed, so resident memory follows the live tensors.
+Runs ``python -m chunk_grpo.train`` under ``torchrun`` on ``--ranks`` gloo ranks (CPU) with the
+FLUX preset's own parallel settings (configs/flux_dev_hpsv3.yaml: FSDP2, bf16 mixed precision,
+bf16 frozen weights, the hybrid-evaluation base, full fine-tuning with AdamW, micro-batch 1,
+gradient checkpointing, text encoders cached) and ``grad_accum`` 4, two iterations, on the
+FLUX.1-dev-width model: FLUX.1-dev's real transformer config with 1 double-stream and 1
+single-stream block (545M parameters; ``--double-blocks``/``--single-blocks`` change the depth)
+and FLUX.1-dev's real VAE config, random weights saved in
+diffusers layout (the transformer in bf16, as FLUX.1-dev ships), tiny text encoders with T5-XXL's
+and CLIP-L's output widths (`chunk_grpo.models.tiny`). What departs from the preset, for a CPU:
+128x128 images, 5 sampling steps (chunks 2,2, half trained), 4 rollouts per rank, 2 evaluation
+images, the programmatic jpeg_compressibility reward (no reward model to download).
+
+The trainer records each phase's peak with `chunk_grpo.phase_memory` (per rank: the process's
+resident-memory high-water mark above its resident memory after the imports, the mark reset at
+each phase's start) into RUN/phases.json. The plan (`chunk_grpo.memory_plan`) of the same config
+on the CPU gives each phase's bytes per device plus what one rank holds on its CPU besides; on a
+CPU run the two are one process's memory. One line per phase compares the plan with the largest
+rank's measurement.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -31,129 +40,135 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 
 from chunk_grpo.config import build_config
-from chunk_grpo.memory_plan import GB, format_plan, plan_for_config
+from chunk_grpo.memory_plan import GB, PHASES, format_plan, plan_for_config
 from chunk_grpo.models.sampling_defaults import SamplingDefaults
 from chunk_grpo.models.tiny import build_tiny_flux_pipeline
-from chunk_grpo.plan_activations import CallShape, flux_call_inputs
-from chunk_grpo.plan_models import (
-    FLUX_DEV_FILES,
-    build_transformer,
-    build_vae,
-    resolve_model_configs,
-)
+from chunk_grpo.plan_models import build_transformer, build_vae, resolve_model_configs
 
-SIZE = 256  # pixels: 256 image tokens, so a CPU call takes about a minute
-TEXT_TOKENS = 128
-WORDS = ["a", "red", "cat", "on", "sofa"]
-# The real-width FLUX-shaped model (FLUX.1-dev's transformer config at 1 + 1 blocks).
-FLUX_545M = dict(num_layers=1, num_single_layers=1)
+REPO = Path(__file__).resolve().parents[1]
+PRESET = REPO / "configs" / "flux_dev_hpsv3.yaml"
+SIZE = 128  # pixels: 64 image tokens, so the 545M model's calls take seconds on a CPU
+TEXT_TOKENS = 32
+TRAIN_PROMPTS = ["a red cat on a sofa", "a blue car in the rain", "a portrait of an old man",
+                 "a castle on a hill at sunset"]
+EVAL_PROMPTS = ["a green apple on a table", "a dog running on the beach"]
 TINY_TEXT = dict(t5_d_model=4096, t5_heads=2, t5_d_kv=8, t5_d_ff=32,
                  clip_hidden=768, clip_heads=2, clip_intermediate=32)
+# Phases whose measurement follows the trainer's loading and start-up order: they match the
+# plan once the policy is built on meta and sharded at load, the hybrid base built from the
+# shards, gradients reduce-scattered every micro-batch, and the profile run on the sharded model.
+DEPENDS_ON_SHARDED_LOADING = ("load", "prompt_cache", "profile", "train")
+TOLERANCE = 0.15
 
 
-def write_model_configs(directory: Path) -> Path:
-    """The 545M model's four config.json files and its chunk_grpo.json (no weights: the plan
-    only reads configs)."""
+def write_model(directory: Path, doubles: int, singles: int) -> Path:
+    """FLUX.1-dev's transformer config with ``doubles`` + ``singles`` blocks (1 + 1: 545M
+    parameters), in diffusers layout with random weights."""
     flux = resolve_model_configs("black-forest-labs/FLUX.1-dev")  # the shipped real configs
-    pipeline = build_tiny_flux_pipeline(WORDS, **TINY_TEXT)  # tiny encoders' configs
-    configs = {
-        "transformer": {**flux.transformer, **FLUX_545M},
-        "vae": flux.vae,
-        "text_encoder": pipeline.text_encoder.config.to_dict(),
-        "text_encoder_2": pipeline.text_encoder_2.config.to_dict(),
-    }
-    for component in FLUX_DEV_FILES:
-        (directory / component).mkdir(parents=True, exist_ok=True)
-        (directory / component / "config.json").write_text(json.dumps(configs[component]))
-    SamplingDefaults(height=SIZE, width=SIZE, max_sequence_length=TEXT_TOKENS).save(directory)
+    words = sorted({w for p in TRAIN_PROMPTS + EVAL_PROMPTS for w in p.split()})
+    pipeline = build_tiny_flux_pipeline(words, **TINY_TEXT)
+    torch.manual_seed(0)
+    transformer = build_transformer({**flux.transformer, "num_layers": doubles,
+                                     "num_single_layers": singles}, device="cpu")
+    pipeline.register_modules(transformer=transformer.to(torch.bfloat16),
+                              vae=build_vae(flux.vae, device="cpu"))
+    pipeline.save_pretrained(directory)
+    SamplingDefaults(height=SIZE, width=SIZE, max_sequence_length=TEXT_TOKENS,
+                     num_steps=4).save(directory)
+    del pipeline, transformer
+    gc.collect()
     return directory
 
 
-def bench_config(model_dir: Path, gradient_checkpointing: bool):
-    return build_config(None, dict(
-        model=str(model_dir), device="cpu", parallelism="none", mixed_precision="no",
-        weights_dtype="fp32", lora_rank=0, optimizer="adamw", reward="jpeg_compressibility",
-        gradient_checkpointing=gradient_checkpointing, num_steps=5, sde_window=0, chunks="2,2",
-        micro_batch_size=2, prompts_per_step=1, group_size=2, rollout_batch_size=2,
-        eval_hybrid_steps=0, text_encoders="keep"))
+def write_config(tmp: Path, model: Path, grad_accum: int) -> Path:
+    """The preset with the CPU's departures (module docstring)."""
+    cfg = yaml.safe_load(PRESET.read_text())
+    (tmp / "train.txt").write_text("\n".join(TRAIN_PROMPTS) + "\n")
+    (tmp / "eval.txt").write_text("\n".join(EVAL_PROMPTS) + "\n")
+    cfg["model"].update(name=str(model), height=SIZE, width=SIZE,
+                        prompt_cache_dir=str(tmp / "prompt-cache"))
+    cfg["reward"] = {"name": "jpeg_compressibility"}
+    cfg["data"] = {"train_prompts": str(tmp / "train.txt"), "eval_prompts": str(tmp / "eval.txt")}
+    cfg["sampling"].update(steps=5, group_size=4, prompts_per_step=1, batch_size=4)
+    cfg["chunks"].update(spec="2,2", profile_prompts=2)
+    cfg["optim"].update(micro_batch_size=1, grad_accum=grad_accum)
+    cfg["eval"].update(every=0, images=2, final_images=2, hybrid_steps=2)
+    # Two iterations: the second samples and scores with the optimizer state allocated.
+    cfg["run"].update(output_dir=str(tmp / "run"), max_steps=2, checkpoint_every=2,
+                      device="cpu", progress=False)
+    path = tmp / "bench.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
 
 
-def _resident(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
+def _available_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def child(model_dir: Path, gradient_checkpointing: bool, rows: int) -> dict:
-    """The measured process: build what the plan counts, one training call, an optimizer step."""
-    torch.manual_seed(0)
-    base = _resident("VmRSS")
-    configs = resolve_model_configs(str(model_dir))
-    transformer = build_transformer(configs.transformer, device="cpu")
-    vae = build_vae(configs.vae, device="cpu").requires_grad_(False)
-    pipeline = build_tiny_flux_pipeline(WORDS, **TINY_TEXT)  # the text encoders (and a tiny
-    encoders = (pipeline.text_encoder, pipeline.text_encoder_2)  # transformer, dropped below)
-    del pipeline
-    if gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
-    transformer.train()
-    params = [p for p in transformer.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-6, fused=True)
-    for p in params:  # allocate the optimizer state, as after the first step of a run
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    ready = _resident("VmRSS")
-    tokens = (SIZE // 16) ** 2
-    inputs = flux_call_inputs(dict(transformer.config), CallShape(rows, tokens, TEXT_TOKENS),
-                              torch.float32)
-    start = time.perf_counter()
-    out = transformer(**inputs)[0]
-    out.square().mean().backward()
-    optimizer.step()
-    seconds = time.perf_counter() - start
-    peak = _resident("VmHWM")
-    del vae, encoders  # held until here, as the plan counts them
-    return {"baseline": base, "static": ready - base, "peak": peak - base, "seconds": seconds,
-            "parameters": sum(p.numel() for p in params)}
+    return 0
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gradient-checkpointing", action="store_true")
-    parser.add_argument("--child", metavar="MODEL_DIR", help=argparse.SUPPRESS)
-    parser.add_argument("--rows", type=int, default=4, help=argparse.SUPPRESS)
+    parser.add_argument("--ranks", type=int, default=2, help="gloo ranks (default 2)")
+    parser.add_argument("--grad-accum", type=int, default=4, help="micro-batches per step")
+    parser.add_argument("--double-blocks", type=int, default=1, metavar="N",
+                        help="double-stream blocks of the FLUX.1-dev-width model (default 1)")
+    parser.add_argument("--single-blocks", type=int, default=1, metavar="N",
+                        help="single-stream blocks (default 1)")
+    parser.add_argument("--keep", metavar="DIR", help="work in DIR and keep it (model, run)")
     args = parser.parse_args()
-    if args.child:
-        print(json.dumps(child(Path(args.child), args.gradient_checkpointing, args.rows)))
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_model_configs(Path(tmp) / "flux-545m")
-        cfg = bench_config(model_dir, args.gradient_checkpointing)
+    if args.grad_accum < 4:
+        parser.error("--grad-accum must be >= 4: the check is of accumulation")
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = Path(args.keep or scratch)
+        tmp.mkdir(parents=True, exist_ok=True)
+        model = tmp / f"flux-dev-width-{args.double_blocks}d{args.single_blocks}s"
+        if not (model / "transformer").is_dir():
+            write_model(model, args.double_blocks, args.single_blocks)
+        config = write_config(tmp, model, args.grad_accum)
+        cfg = build_config(config)
+        plan = plan_for_config(cfg, args.ranks, 24 * GB, device="cpu", gpus_per_node=args.ranks)
+        print(format_plan(plan, parts=False), flush=True)
+        per_process = {p.name: p.gpu_bytes + p.host_rank_bytes for p in plan.phases}
+        needed = 1.5 * args.ranks * max(per_process.values())
+        if _available_bytes() < needed:
+            raise SystemExit(f"needs about {needed / GB:.1f} GB of free memory for {args.ranks} "
+                             f"ranks, {_available_bytes() / GB:.1f} GB available; try later")
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc_per_node", str(args.ranks), "-m", "chunk_grpo.train",
+                   "--config", str(config)]
+        # Every allocation of 64 KB or more mmapped: freed tensors leave the resident memory at
+        # once, as they leave a GPU's allocated bytes (glibc otherwise keeps freed blocks below
+        # its adaptive threshold, up to 32 MB, in its heap).
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+                   MALLOC_MMAP_THRESHOLD_="65536")
         start = time.perf_counter()
-        plan = plan_for_config(cfg, 1, 24 * GB)
-        plan_seconds = time.perf_counter() - start
-        print(format_plan(plan))
-        rows = 2 * cfg.optim.micro_batch_size  # the largest chunk (2) x the micro-batch
-        command = [sys.executable, __file__, "--child", str(model_dir), "--rows", str(rows)]
-        if args.gradient_checkpointing:
-            command.append("--gradient-checkpointing")
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        result = subprocess.run(command, capture_output=True, text=True, env=env, check=True)
-        measured = json.loads(result.stdout.strip().splitlines()[-1])
-    planned = plan.peak_bytes
-    static = plan.phase_bytes("static") - next(
-        r.gpu_bytes for r in plan.rows if r.part == "rollout buffers")
-    error = (planned - measured["peak"]) / measured["peak"]
-    print(f"\nplan: {plan_seconds:.1f} s; measured call + step: {measured['seconds']:.1f} s "
-          f"({measured['parameters'] / 1e6:.0f}M trainable parameters)")
-    print(f"static parts: plan {static / GB:.2f} GB, measured {measured['static'] / GB:.2f} GB")
-    print(f"peak: plan {planned / GB:.2f} GB, measured {measured['peak'] / GB:.2f} GB "
-          f"(VmHWM above the post-import baseline of {measured['baseline'] / GB:.2f} GB); "
-          f"plan - measured = {100 * error:+.1f}%")
+        result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp)
+        if result.returncode:
+            raise SystemExit(f"the training run failed:\n{result.stderr[-4000:]}")
+        minutes = (time.perf_counter() - start) / 60
+        ranks = json.loads((tmp / "run" / "phases.json").read_text())["ranks"]
+    baselines = ", ".join(f"{r['baseline_bytes'] / GB:.2f}" for r in ranks)
+    print(f"\n{args.ranks} ranks, two iterations in {minutes:.1f} min; per rank: resident "
+          f"memory above the post-import baseline ({baselines} GB)")
+    worst = 0.0
+    for name in PHASES:
+        measured = [r["phases"].get(name, {}).get("peak_bytes") for r in ranks]
+        if any(m is None for m in measured):
+            print(f"phase {name}: not run")
+            continue
+        top, planned = max(measured), per_process[name]
+        diff = (planned - top) / top
+        worst = max(worst, abs(diff)) if name not in DEPENDS_ON_SHARDED_LOADING else worst
+        ranks_text = ", ".join(f"{m / GB:.2f}" for m in measured)
+        flag = "" if abs(diff) <= TOLERANCE else "  (outside 15%)"
+        print(f"phase {name}: plan {planned / GB:.2f} GB, measured {top / GB:.2f} GB, "
+              f"diff {100 * diff:+.1f}%{flag}   [ranks: {ranks_text} GB]")
+    print(f"largest |diff| outside {', '.join(DEPENDS_ON_SHARDED_LOADING)}: {100 * worst:.1f}%")
 
 
 if __name__ == "__main__":

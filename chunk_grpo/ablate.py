@@ -449,7 +449,7 @@ def run_ablation(out: Path, cells: list[Cell], seeds: list[int], base: dict[str,
         for seed in seeds[1:]:
             cell_config(base, cell, seed, minutes)
     base_cfg = build_config(None, run_values(base, minutes))
-    info = D.init_distributed(base_cfg.run.device)
+    info = D.init_for_config(base_cfg)
     if info.world_size > 1:
         raise ConfigError("the ablation runs in one process; start it without torchrun")
     check_settings(out, {"base": base_cfg.to_dict(), "minutes": minutes, "eval_images": count,

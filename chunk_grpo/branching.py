@@ -31,7 +31,8 @@ def sample_branch_rollouts(policy, prompts: list[str], *, group_size: int, num_s
                            seed: int = 0, step: int = 0, row_offset: int = 0,
                            batch_size: int = 64,
                            antithetic_noise: bool = False, decode: str = "final",
-                           mixed_precision: str = "no") -> tuple[Rollout, list[torch.Tensor]]:
+                           mixed_precision: str = "no", validate: bool = True
+                           ) -> tuple[Rollout, list[torch.Tensor]]:
     """G branches per prompt at step ``branch_step``; returns (rollout, images per granularity).
 
     The rollout holds, for every row, the shared ODE prefix x_0..x_k and its own x_{k+1}
@@ -41,6 +42,7 @@ def sample_branch_rollouts(policy, prompts: list[str], *, group_size: int, num_s
     ``antithetic_noise`` gives rows 2i and 2i+1 of a group opposite branch noise.
     Noise is keyed as in `sample_rollouts`: a prompt's initial noise by its global index
     (``row_offset`` // G + p), a row's branch noise by its global row ``row_offset`` + r.
+    ``validate``: the kernels' value checks (`denoise`).
     """
     if not 0 <= branch_step < num_steps - 1:
         raise ValueError(f"branch_step must be in [0, {num_steps - 2}] (the last transition is "
@@ -67,7 +69,7 @@ def sample_branch_rollouts(policy, prompts: list[str], *, group_size: int, num_s
         embeds = prompt_embeds.index(idx)
         prefix.append(denoise(policy, noise[idx], embeds, sigmas[:k + 1], sampler="ode",
                               eta=0.0, cfg_scale=cfg, mixed_precision=mixed_precision,
-                              keep=True, sigma_max=sigma_max).latents)
+                              keep=True, sigma_max=sigma_max, validate=validate).latents)
     prefix = torch.cat(prefix).repeat_interleave(group_size, 0)  # [B, k+1, N, C]
 
     all_latents, logps = [], []
@@ -79,13 +81,15 @@ def sample_branch_rollouts(policy, prompts: list[str], *, group_size: int, num_s
         embeds = prompt_embeds.index(prompt_index[sl])
         branch = denoise(policy, prefix[sl, k], embeds, first_tail, sampler=kind, eta=eta,
                          cfg_scale=cfg, mixed_precision=mixed_precision, keep=True,
-                         sde_window=1, step_noise=branch_noise[:, sl], sigma_max=sigma_max)
+                         sde_window=1, step_noise=branch_noise[:, sl], sigma_max=sigma_max,
+                         validate=validate)
         x_next, logp = branch.latents[:, 1], branch.logps
         finishes[0].append(decode_images(policy, branch, decode))
         for stride, out in zip(granularities[1:], finishes[1:], strict=True):
             tail = tail_sigmas(sigmas, k + 1, stride)
             finish = denoise(policy, x_next, embeds, tail, sampler="ode", eta=0.0,
-                             cfg_scale=cfg, mixed_precision=mixed_precision, sigma_max=sigma_max)
+                             cfg_scale=cfg, mixed_precision=mixed_precision, sigma_max=sigma_max,
+                             validate=validate)
             out.append(decode_images(policy, finish, decode))
         b = x_next.shape[0]
         unused = x_next.new_full((b, num_steps - k - 1, *x_next.shape[1:]), float("nan"))

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 MANIFEST = "manifest.json"
 STATE = "state.pt"
@@ -43,8 +44,9 @@ class DiskFullError(OSError):
 
 
 def rng_state() -> dict:
-    """The python, numpy, torch (and CUDA) random states as tensors and plain values: a
-    checkpoint holding them loads with ``torch.load(weights_only=True)``."""
+    """The python, numpy, torch and CUDA random states as tensors and plain values (a
+    checkpoint holding them loads with ``torch.load(weights_only=True)``); "cuda" holds one
+    state per visible CUDA device."""
     version, python_keys, gauss = random.getstate()
     kind, numpy_keys, pos, has_gauss, cached = np.random.get_state()
     state = {"torch": torch.get_rng_state(),
@@ -57,16 +59,37 @@ def rng_state() -> dict:
     return state
 
 
-def set_rng_state(state: dict) -> None:
-    """Restore `rng_state`'s states exactly."""
+def set_rng_state(state: dict) -> str | None:
+    """Restore the generators of `rng_state` exactly. Of the saved CUDA states only the
+    current device's is restored (this process uses no other), so a checkpoint saved where more
+    GPUs were visible resumes on fewer; returns a line saying what changed when the saved and the
+    visible devices differ (None otherwise)."""
     torch.set_rng_state(state["torch"])
     n = state["numpy"]
     np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"],
                          n["has_gauss"], n["cached"]))
     p = state["python"]
     random.setstate((p["version"], tuple(int(k) for k in p["keys"].tolist()), p["gauss"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    saved = state.get("cuda") or []
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not visible:
+        return (f"[chunk-grpo] resume: the checkpoint holds the CUDA generator states of "
+                f"{len(saved)} GPU(s), none is visible here: not restored") if saved else None
+    current = torch.cuda.current_device()
+    if current < len(saved):
+        torch.cuda.set_rng_state(saved[current], current)
+    if len(saved) == visible:
+        return None
+    restored = (f"device {current}'s restored" if current < len(saved) else
+                f"device {current} has none and keeps its seeded state")
+    return (f"[chunk-grpo] resume: the checkpoint holds the CUDA generator states of "
+            f"{len(saved)} GPU(s), {visible} visible here: {restored}")
+
+
+def print_note(note: str | None) -> None:
+    """Print a resume note once (on rank 0 of a distributed job)."""
+    if note and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(note, flush=True)
 
 
 def safe_load(path: Path) -> dict:
@@ -305,5 +328,5 @@ def load_checkpoint(path: str | Path, *, restore_rng: bool = True, trust: bool =
                                   "directory to fall back to an earlier checkpoint")
     state = safe_load(path / STATE)
     if restore_rng:
-        set_rng_state(state["rng"])
+        print_note(set_rng_state(state["rng"]))
     return state

@@ -67,10 +67,15 @@ def relative_change(latents: torch.Tensor) -> torch.Tensor:
 
     latents: [B, T+1, ...] trajectories; returns [T] float32.
     """
+    return per_trajectory_change(latents).mean(dim=0)
+
+
+def per_trajectory_change(latents: torch.Tensor) -> torch.Tensor:
+    """L1rel(t) of each trajectory: [B, T] float32."""
     x = latents.float().flatten(2)
     diff = (x[:, 1:] - x[:, :-1]).abs().mean(dim=2)
     scale = x[:, :-1].abs().mean(dim=2) + 1e-8
-    return (diff / scale).mean(dim=0)
+    return diff / scale
 
 
 def segment_by_dynamics(curve: torch.Tensor, *, max_size: int = 5, min_size: int = 2,

@@ -236,13 +236,17 @@ def pretrain_parser(description: str | None = None) -> OneLineArgumentParser:
 def plan_parser() -> OneLineArgumentParser:
     p = OneLineArgumentParser(
         prog="python -m chunk_grpo.plan", allow_abbrev=False,
-        description="Memory plan of a training config: bytes per GPU of every part (weights, "
-                    "gradients, optimizer state, activations measured with FakeTensor, frozen "
-                    "models, reward) and whether it fits. Other flags are those of "
+        description="Memory plan of a training config: the peak of every phase (load, prompt "
+                    "caching, profile, rollout, reward, training, evaluation, checkpoint, export) "
+                    "per GPU and per host, from its parts (weights, gradients, optimizer state, "
+                    "activations measured with FakeTensor, frozen models, reward), and whether "
+                    "it fits. Other flags are those of "
                     "chunk_grpo.train (--config, --model, --lora-rank, ...).")
     p.add_argument("--gpus", type=positive_int, default=1, help="GPUs (world size; default 1)")
     p.add_argument("--gpu-memory", type=positive_float, default=80.0, metavar="GB",
                    help="memory per GPU in GB (default 80)")
+    p.add_argument("--gpus-per-node", type=positive_int, default=None, metavar="N",
+                   help="GPUs per host, for the host memory per node (default min(gpus, 8))")
     p.add_argument("--reward-gb", type=nonnegative_float, default=None, metavar="GB",
                    help="the reward model's weights in GB, for a reward the plan does not know")
     p.add_argument("--json", metavar="FILE", help="also write the numbers here")
@@ -272,6 +276,8 @@ EARLY_PARSERS: dict[str, Callable[[list[str]], object]] = {
     "chunk_grpo.train": _parse_train,
     "chunk_grpo.gradient_snr": _parse_gradient_snr,
     "chunk_grpo.plan": _parse_plan,
+    "chunk_grpo.cache_prompts": lambda argv: _parse_train(
+        argv, prog="python -m chunk_grpo.cache_prompts"),
     "chunk_grpo.evaluate": lambda argv: evaluate_parser().parse_args(argv),
     "chunk_grpo.credit": lambda argv: credit_parser().parse_args(argv),
     "chunk_grpo.profile": lambda argv: profile_parser().parse_args(argv),

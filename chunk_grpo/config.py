@@ -54,6 +54,7 @@ class ModelConfig:
     guidance: float | None = None  # FLUX.1-dev's distilled guidance; None = the model's default
     text_encoders: str = "keep"  # keep (on the device) | cache (embed once, free them) | cpu
     prompt_cache_dir: str = ""  # text_encoders: cache; "" = ~/.cache/chunk_grpo/prompt_embeds
+    tf32: bool = True  # CUDA fp32 matmuls and convolutions in TF32 (no effect on the CPU)
 
 
 @dataclass
@@ -148,6 +149,10 @@ class ParallelConfig:
 
     mode: str = "ddp"  # ddp | fsdp (FSDP2, a shard per transformer block) | none
     cpu_offload: bool = False  # fsdp: keep parameters, gradients and optimizer state on the CPU
+    reduce_dtype: str = "fp32"  # fsdp: the dtype gradients are reduce-scattered in (fp32 | bf16)
+    # how long a collective may wait for the other ranks (start-up encodes prompts, loads and
+    # profiles the model while they wait) before the job fails
+    timeout_minutes: float = 60.0
 
 
 @dataclass
@@ -178,7 +183,8 @@ class RunConfig:
 
 
 # The flat names of earlier versions, each an alias of one dotted path (command line, YAML,
-# override dicts). Fixed: a saved config.yaml of an old run keeps loading.
+# override dicts). Fixed: a saved config.yaml of an old run keeps loading; settings added since
+# (model.tf32, parallel.timeout_minutes) have only their dotted path.
 FLAT_ALIASES: dict[str, str] = {
     "model": "model.name", "height": "model.height", "width": "model.width",
     "mixed_precision": "model.mixed_precision", "weights_dtype": "model.weights_dtype",
@@ -212,6 +218,7 @@ FLAT_ALIASES: dict[str, str] = {
     "grad_accum": "optim.grad_accum", "ppo_epochs": "optim.ppo_epochs",
     "ema_decay": "optim.ema_decay",
     "parallelism": "parallel.mode", "cpu_offload": "parallel.cpu_offload",
+    "reduce_dtype": "parallel.reduce_dtype",
     "eval_every": "eval.every", "eval_images": "eval.images",
     "final_eval_images": "eval.final_images", "eval_hybrid_steps": "eval.hybrid_steps",
     "output_dir": "run.output_dir", "seed": "run.seed", "device": "run.device",
@@ -406,9 +413,11 @@ def coerce(path: str, value: Any, name: str | None = None) -> Any:
 
 def flat_keys(data: Mapping[str, Any], where: str) -> dict[str, Any]:
     """A flat, dotted or nested mapping keyed by the flat alias of each setting (for code that
-    keeps override dicts by those names, e.g. the ablation's)."""
+    keeps override dicts by those names, e.g. the ablation's); a setting added since the flat
+    names keeps its dotted path."""
     flat_of = {path: flat for flat, path in FLAT_ALIASES.items()}
-    return {flat_of[path]: value for path, (_, value) in _canonical(data, where).items()}
+    return {flat_of.get(path, path): value
+            for path, (_, value) in _canonical(data, where).items()}
 
 
 # ----------------------------------------------------------------------------- YAML
@@ -491,13 +500,14 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m chunk_grpo.
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(f"{section}", (cls.__doc__ or "").strip())
         for path in (p for p in PATHS if p.startswith(section + ".")):
-            alias = alias_of[path]
+            alias = alias_of.get(path)  # settings added since the flat names have none
             choices = f"{'|'.join(CHOICES[path])}, " if path in CHOICES else ""
+            shown = f" (alias --{alias.replace('_', '-')})" if alias else ""
             group.add_argument(f"--{path}", dest=path, default=argparse.SUPPRESS, metavar="V",
-                               help=f"{choices}default {defaults.get(path)!r} "
-                                    f"(alias --{alias.replace('_', '-')})")
+                               help=f"{choices}default {defaults.get(path)!r}{shown}")
             _add_hidden(parser, path, [f"--{path.replace('_', '-')}"])
-            _add_hidden(parser, alias, [f"--{alias.replace('_', '-')}", f"--{alias}"])
+            if alias:
+                _add_hidden(parser, alias, [f"--{alias.replace('_', '-')}", f"--{alias}"])
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         key = unknown[0].lstrip("-").split("=")[0].replace("-", "_")

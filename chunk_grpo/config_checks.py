@@ -39,6 +39,7 @@ CHOICES = {
     "model.attention_backend": ("auto", "native", "flash"),
     "run.device": ("auto", "cpu", "cuda"),
     "parallel.mode": ("ddp", "fsdp", "none"),
+    "parallel.reduce_dtype": ("fp32", "bf16"),
     "model.weights_dtype": ("auto", "fp32", "bf16"),
     "model.text_encoders": ("keep", "cache", "cpu"),
 }
@@ -97,8 +98,16 @@ def check_config(cfg: TrainConfig, name: Callable[[str], str]) -> None:
         raise ConfigError(f"{name('loss.kl_ref')}: reference needs LoRA "
                           f"({name('model.lora_rank')} > 0): the reference model is the base "
                           "with the adapters disabled")
+    if cfg.parallel.reduce_dtype != "fp32" and cfg.parallel.mode != "fsdp":
+        raise ConfigError(f"{name('parallel.reduce_dtype')} {cfg.parallel.reduce_dtype} needs "
+                          f"{name('parallel.mode')}: fsdp (ddp all-reduces fp32 gradients); set "
+                          f"it to fp32 or use fsdp")
     if cfg.run.max_minutes < 0:
         raise ConfigError(f"{name('run.max_minutes')} must be >= 0")
+    if not cfg.parallel.timeout_minutes > 0:
+        raise ConfigError(f"{name('parallel.timeout_minutes')} must be > 0 minutes (how long "
+                          f"ranks wait for each other), got {cfg.parallel.timeout_minutes}; "
+                          "e.g. 60")
     _check_specs(cfg, name)
 
 

@@ -11,11 +11,18 @@ causes (how to choose `sde_window`). The CLIs `python -m chunk_grpo.profile` and
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from chunk_grpo.chunking import ChunkLayout, relative_change, segment_by_dynamics
+from chunk_grpo.chunking import (
+    ChunkLayout,
+    per_trajectory_change,
+    relative_change,
+    segment_by_dynamics,
+)
 from chunk_grpo.plots import line_plot
 from chunk_grpo.rollout import denoise
 from chunk_grpo.sampling_options import resolve_cfg_scale
@@ -25,8 +32,10 @@ from chunk_grpo.schedule import flux_sigmas
 @torch.no_grad()
 def measure_dynamics(policy, prompts: list[str], *, num_steps: int, shift: float,
                      sampler: str = "ode", eta: float = 0.0, cfg_scale: float | None = None,
-                     seed: int = 0, batch_size: int = 64) -> torch.Tensor:
-    """L1rel(t) for the T transitions, averaged over one trajectory per prompt. [T] float32."""
+                     seed: int = 0, batch_size: int = 64,
+                     mixed_precision: str = "no") -> torch.Tensor:
+    """L1rel(t) for the T transitions, averaged over one trajectory per prompt. [T] float32.
+    ``mixed_precision``: the autocast of the transformer calls (the run's)."""
     cfg = resolve_cfg_scale(policy, cfg_scale)
     sigmas = flux_sigmas(num_steps, shift)
     generator = torch.Generator().manual_seed(seed)
@@ -36,10 +45,68 @@ def measure_dynamics(policy, prompts: list[str], *, num_steps: int, shift: float
         embeds = policy.encode_prompts(batch)
         x = policy.initial_noise(len(batch), generator).float()
         latents = denoise(policy, x, embeds, sigmas, sampler=sampler, eta=eta, cfg_scale=cfg,
-                          generator=generator, keep=True).latents
+                          generator=generator, mixed_precision=mixed_precision,
+                          keep=True).latents
         curves.append(relative_change(latents) * len(batch))
         weights.append(len(batch))
     return torch.stack(curves).sum(0) / sum(weights)
+
+
+@torch.no_grad()
+def dynamics_sum(policy, prompts: list[str], *, num_steps: int, shift: float,
+                 cfg_scale: float | None = None, seed: int = 0, batch_size: int = 64,
+                 mixed_precision: str = "no", share: tuple[int, int] = (0, 1)
+                 ) -> tuple[torch.Tensor, int]:
+    """This process's part of `measure_dynamics` (ODE sampler) when ``share`` = (index,
+    count) processes split the prompts: (sum over its trajectories of each one's L1rel(t)
+    [T] float64, its number of trajectories). Summed over the processes and divided, it is the
+    single-process curve up to float reduction order.
+
+    Process i takes a contiguous slice of the prompts. Every trajectory starts from the noise
+    one process draws for it (the whole draw is repeated here, it is small), and every process
+    makes the same number of transformer calls (one that runs out of prompts repeats a
+    1-prompt trajectory and drops it), as FSDP's collectives in each call need."""
+    index, count = share
+    cfg = resolve_cfg_scale(policy, cfg_scale)
+    sigmas = flux_sigmas(num_steps, shift)
+    generator = torch.Generator().manual_seed(seed)
+    noise = torch.cat([policy.initial_noise(len(prompts[s:s + batch_size]), generator).float()
+                       for s in range(0, len(prompts), batch_size)])
+    bounds = [len(prompts) * i // count for i in range(count + 1)]
+    mine = range(bounds[index], bounds[index + 1])
+    calls = math.ceil(max(bounds[i + 1] - bounds[i] for i in range(count)) / batch_size)
+    total = torch.zeros(num_steps, dtype=torch.float64)
+    for call in range(calls):
+        rows = list(mine[call * batch_size:(call + 1) * batch_size])
+        kept = bool(rows)
+        rows = rows or [0]  # the same calls as the other processes, result dropped
+        embeds = policy.encode_prompts([prompts[r] for r in rows])
+        latents = denoise(policy, noise[rows], embeds, sigmas, sampler="ode", eta=0.0,
+                          cfg_scale=cfg, mixed_precision=mixed_precision, keep=True).latents
+        if kept:
+            total += per_trajectory_change(latents).double().sum(0).cpu()
+    return total, len(mine)
+
+
+def shared_dynamics(policy, prompts: list[str], *, info, sharded: bool, **settings
+                    ) -> torch.Tensor:
+    """`measure_dynamics` measured once for a job of ``info.world_size`` ranks, the same curve
+    on every rank. ``sharded`` (FSDP: every rank must join every transformer call): the ranks
+    split the prompts (`dynamics_sum`) and sum their parts with one all-reduce; otherwise
+    rank 0 measures alone and broadcasts the curve. ``settings``: `measure_dynamics`'s."""
+    if info.world_size == 1:
+        return measure_dynamics(policy, prompts, **settings)
+    if sharded:
+        total, n = dynamics_sum(policy, prompts, share=(info.rank, info.world_size), **settings)
+        both = torch.cat([total, torch.tensor([float(n)], dtype=torch.float64)]).to(info.device)
+        dist.all_reduce(both)
+        return (both[:-1] / both[-1]).float().cpu()
+    curve = torch.zeros(settings["num_steps"], dtype=torch.float32)
+    if info.is_main:
+        curve = measure_dynamics(policy, prompts, **settings)
+    curve = curve.to(info.device)
+    dist.broadcast(curve, src=0)
+    return curve.cpu()
 
 
 def propose_chunks(curve: torch.Tensor, max_size: int = 5,

@@ -142,7 +142,7 @@ def measure(cfg: TrainConfig, iterations: int = 16, first_step: int = 0,
     if iterations < 3:
         raise ConfigError(f"--iterations must be >= 3 (pairs of independent gradients), "
                           f"got {iterations}")
-    info = D.init_distributed(cfg.run.device)
+    info = D.init_for_config(cfg)
     if info.world_size > 1:
         raise ConfigError("gradient_snr runs in one process; start it without torchrun")
     with tempfile.TemporaryDirectory() as scratch:

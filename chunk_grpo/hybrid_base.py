@@ -7,16 +7,21 @@ Hybrid inference samples the first k steps with the trained model and the rest w
     call (`AdaptersDisabled`): no copy at all;
   - with full fine-tuning, the trained weights move, so the base keeps one frozen copy of the
     transformer, in ``weights_dtype`` (`FrozenTransformerBase`); the VAE, text encoders and
-    prompt cache are the policy's. The copy is not offloaded.
+    prompt cache are the policy's. The copy is not offloaded. Under FSDP it is sharded as the
+    policy is and filled from the policy's own shards (`sharded_load.sharded_frozen_copy`):
+    never whole on one device.
 Both have the interface `chunk_grpo.rollout.generate` and `evaluate_policy` use (velocity,
 encode_prompts, initial_noise, decode, the sampling settings): only `velocity` differs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from chunk_grpo.policy_setup import uses_lora
+from chunk_grpo.sharded_load import sharded_frozen_copy
 
 
 class _PolicyView:
@@ -66,9 +71,15 @@ def frozen_copy(transformer: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Mo
     return copy.requires_grad_(False).eval()
 
 
-def hybrid_base(policy, weights_dtype: torch.dtype):
+def hybrid_base(policy, weights_dtype: torch.dtype,
+                shard: Callable[[torch.nn.Module], object] | None = None):
     """The base for ``policy`` (call it before training moves any weight): its LoRA-disabled
-    view, or, under full fine-tuning, a view through a frozen copy in ``weights_dtype``."""
+    view, or, under full fine-tuning, a view through a frozen copy in ``weights_dtype``.
+    ``shard``: the policy's transformer is sharded (FSDP) and this shards a module the same
+    way; the copy is then built shard by shard."""
     if uses_lora(policy.transformer):
         return AdaptersDisabled(policy)
+    if shard is not None:
+        return FrozenTransformerBase(policy, sharded_frozen_copy(policy.transformer,
+                                                                 weights_dtype, shard))
     return FrozenTransformerBase(policy, frozen_copy(policy.transformer, weights_dtype))

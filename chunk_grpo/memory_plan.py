@@ -1,30 +1,38 @@
-"""The memory plan: bytes per GPU of every part of a training run, before any GPU is touched.
+"""The memory plan: bytes per GPU and per host of every phase of a training run, before any GPU
+is touched.
 
 `plan_for_config(cfg, world_size, gpu_bytes)` sizes the run from the configuration: the models'
 parameter counts from their real configs on the meta device (`chunk_grpo.plan_models`), the
 transformer's activations measured with FakeTensor (`chunk_grpo.plan_activations`), and the
-arithmetic below. `check_plan` raises `PlanDoesNotFit` (a ConfigError: one line with the peak,
-the budget and the levers that would cut it, by effect) when the peak exceeds the budget.
+arithmetic below. The run's peak is that of its largest phase; `check_plan` (the trainer's
+start-up check) raises `PlanDoesNotFit` (a ConfigError: one line with the phase, its peak, the
+budget and the levers that would cut it, by effect) when a phase exceeds the budget.
 
-The arithmetic, per GPU (shard = world size under FSDP, else 1):
-- trainable weights: fp32 master, 4 B/param / shard; gradients: 4 B/param / shard;
-  AdamW: 8 B/param / shard (adamw8bit: 2 B + 2 fp32 scales per 256 values); EMA: 4 B/param;
-  with ``cpu_offload`` (FSDP) these live on the CPU;
+The parts, per GPU (shard S = world size under FSDP, else 1; P transformer parameters, T of
+them trained):
+- trainable weights: fp32 master, 4T/S; AdamW 8T/S (adamw8bit: 2 B + 2 fp32 scales per 256
+  values) from the first step on; EMA 4T/S; with ``cpu_offload`` (FSDP) these live on the CPU;
 - frozen weights (LoRA's base) and the hybrid-evaluation base in ``weights_dtype``, sharded the
-  same way under FSDP. With LoRA the base *is* the frozen weights with the adapters disabled (0
-  extra); with full fine-tuning it is one frozen copy;
-- FSDP's working set: the two largest blocks unsharded in the compute dtype (the one computing
-  and the one prefetched), one block's unsharded gradient (compute dtype + the fp32 copy reduced),
-  and the unsharded root (embedders, final norm);
-- DDP: its gradient buckets, a second copy of the gradients (torch's default,
-  ``gradient_as_bucket_view=False``);
-- text encoders (``keep``) and VAE in ``weights_dtype``; the reward models in bf16 on CUDA;
-- activations: the peak of one training call (its trained steps x micro-batch rows; the largest
-  draw of chunks)
-  and of one rollout call with the VAE decode of its batch, measured with FakeTensor; under bf16
-  autocast the casts of fp32 weights autocast keeps are part of it;
+  same way under FSDP (LoRA's base *is* the frozen weights with the adapters disabled);
+- gradients: under FSDP each rank holds only its fp32 shards, 4T/S, across the micro-batches of
+  an accumulation (they are reduce-scattered every micro-batch), plus FSDP's working set of one
+  unsharded block's gradient in the compute dtype and its reduce-scatter copy in
+  ``reduce_dtype``; under DDP a full gradient copy (4T) and its buckets (another 4T);
+- FSDP's working set in a forward: the two adjacent blocks unsharded in the compute dtype (the
+  one computing and the one prefetched) and the unsharded root (embedders, final norm);
+- text encoders and VAE in ``weights_dtype``; the reward models in bf16 on CUDA;
+- activations of one call (a training micro-batch: its trained steps x micro-batch rows, forward
+  and backward; a no-grad sampling batch and the VAE decode of it), measured with FakeTensor;
 - a fixed allowance for the CUDA context, cuBLAS/NCCL workspaces and allocator slack.
-The peak is the static parts plus the larger of the training phase and the rollout phase.
+
+The phases, in the order a run meets them: load (the policy built on meta, sharded, and each
+rank filling its shards from the checkpoint one full tensor at a time; then the VAE, the text
+encoders and the reward), prompt caching (``text_encoders: cache``: the encoders on the GPU
+while encoding, then freed), the temporal profile (no-grad forwards of the sharded model),
+rollout, reward, training with accumulation, evaluation (no-grad sampling, the hybrid base),
+checkpoint save and export. Host memory is per node (``gpus_per_node`` ranks): the checkpoint
+files' page cache once per node (every rank maps the same files), plus what each rank holds on
+its CPU.
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ from chunk_grpo.plan_models import (
     build_transformer,
     build_vae,
     count_parameters,
+    largest_tensor,
     lora_parameter_count,
     resolve_model_configs,
     reward_parameter_counts,
@@ -67,6 +76,11 @@ GB = 1e9
 CUDA_CONTEXT_BYTES = 3 * 10**9  # CUDA context (~0.5-1 GB), cuBLAS/NCCL workspaces, allocator slack
 ADAM8BIT_BYTES = 2 + 2 * 4 / 256  # two uint8 states, one fp32 scale per 256 values each
 LORA_LEVER_RANK = 64
+PROMPT_CACHE_BATCH = 16  # prompts per text-encoder call (`prompt_cache.build_prompt_cache`)
+CHECKPOINT_BYTES_PER_PARAM = 2  # FLUX.1-dev and its encoders ship bf16 safetensors
+PHASES = ("load", "prompt_cache", "profile", "rollout", "reward", "train", "eval", "checkpoint",
+          "export")
+REDUCE_DTYPES = ("fp32", "bf16")
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -103,6 +117,11 @@ class PlanSettings:
     hybrid_base: bool  # eval_hybrid_steps > 0
     ema: bool
     reward_gb: float | None = None  # the reward models' size when they are not known by name
+    reduce_dtype: str = "fp32"  # FSDP's gradient reduce-scatter dtype
+    gpus_per_node: int = 0  # 0: min(world size, 8)
+    profile_rows: int = 0  # prompts of the temporal profile per batch (0: no profile)
+    reward_batch: int = 0  # images per reward call (0: a rollout batch)
+    eval_rows: int = 0  # evaluation images per rank
 
     @property
     def shard(self) -> int:
@@ -112,38 +131,78 @@ class PlanSettings:
     def train_rows(self) -> int:
         return self.max_chunk * self.micro_batch_size
 
+    @property
+    def ranks_per_node(self) -> int:
+        return min(self.world_size, self.gpus_per_node or 8)
+
 
 @dataclass(frozen=True)
 class PlanRow:
+    """One part of the run: its bytes per GPU (0 when it lives elsewhere) and where."""
+
     part: str
     gpu_bytes: float
     where: str = "GPU"
     note: str = ""
-    phase: str = "static"  # static | train | rollout
+
+
+@dataclass(frozen=True)
+class PhasePlan:
+    """One phase's peak: the parts on each GPU, and on each host (per node: the page cache
+    once, each rank's own CPU memory times the ranks of a node). ``host_rank_bytes``: the most
+    one rank's process holds on its CPU (for a CPU run, what adds to its device bytes)."""
+
+    name: str
+    gpu_parts: tuple[tuple[str, float], ...]
+    host_parts: tuple[tuple[str, float], ...] = ()
+    host_rank_bytes: float = 0.0
+    note: str = ""
+
+    @property
+    def gpu_bytes(self) -> float:
+        return sum(b for _, b in self.gpu_parts)
+
+    @property
+    def host_bytes(self) -> float:
+        return sum(b for _, b in self.host_parts)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "gpu_bytes": self.gpu_bytes, "host_bytes": self.host_bytes,
+                "host_rank_bytes": self.host_rank_bytes, "note": self.note,
+                "gpu_parts": dict(self.gpu_parts), "host_parts": dict(self.host_parts)}
 
 
 @dataclass
 class Plan:
-    """The plan's rows, its peak per GPU, the budget and the assumptions it made."""
+    """The plan's parts, its phases, the budget and the assumptions it made."""
 
     settings: PlanSettings
     rows: list[PlanRow]
+    phases: list[PhasePlan]
     gpu_bytes: float
     assumptions: list[str] = field(default_factory=list)
     source: str = ""
+    train_by_reduce_dtype: dict[str, float] = field(default_factory=dict)
 
-    def phase_bytes(self, phase: str) -> float:
-        return sum(r.gpu_bytes for r in self.rows if r.phase == phase)
-
-    @property
-    def peak_bytes(self) -> float:
-        return self.phase_bytes("static") + max(self.phase_bytes("train"),
-                                                self.phase_bytes("rollout"))
+    def phase(self, name: str) -> PhasePlan:
+        return next(p for p in self.phases if p.name == name)
 
     @property
     def peak_phase(self) -> str:
-        return "training" if self.phase_bytes("train") >= self.phase_bytes("rollout") \
-            else "rollout"
+        """The phase with the largest GPU peak (the first of equals)."""
+        return max(self.phases, key=lambda p: p.gpu_bytes).name
+
+    @property
+    def peak_bytes(self) -> float:
+        return self.phase(self.peak_phase).gpu_bytes
+
+    @property
+    def host_peak_bytes(self) -> float:
+        return max(p.host_bytes for p in self.phases)
+
+    @property
+    def host_peak_phase(self) -> str:
+        return max(self.phases, key=lambda p: p.host_bytes).name
 
     @property
     def fits(self) -> bool:
@@ -157,17 +216,21 @@ class Plan:
         word = "fits" if self.fits else "does not fit"
         sign = "margin" if self.fits else "short by"
         return (f"{word}: peak {self.peak_bytes / GB:.1f} GB per GPU ({self.peak_phase} phase) of "
-                f"{self.gpu_bytes / GB:.1f} GB, {sign} {abs(self.margin_bytes) / GB:.1f} GB")
+                f"{self.gpu_bytes / GB:.1f} GB, {sign} {abs(self.margin_bytes) / GB:.1f} GB; "
+                f"host peak {self.host_peak_bytes / GB:.1f} GB per node "
+                f"({self.host_peak_phase} phase)")
 
     def to_dict(self) -> dict:
         return {
             "settings": dataclasses.asdict(self.settings),
             "source": self.source,
             "rows": [dataclasses.asdict(r) for r in self.rows],
-            "static_bytes": self.phase_bytes("static"),
-            "train_bytes": self.phase_bytes("train"),
-            "rollout_bytes": self.phase_bytes("rollout"),
+            "phases": [p.to_dict() for p in self.phases],
+            "peak_phase": self.peak_phase,
             "peak_bytes": self.peak_bytes,
+            "host_peak_phase": self.host_peak_phase,
+            "host_peak_bytes": self.host_peak_bytes,
+            "train_by_reduce_dtype": self.train_by_reduce_dtype,
             "gpu_bytes": self.gpu_bytes,
             "fits": self.fits,
             "margin_bytes": self.margin_bytes,
@@ -205,11 +268,24 @@ def _steps_per_call(cfg: TrainConfig) -> int:
     return sum(sorted(layout.sizes, reverse=True)[:drawn])
 
 
+def _profile_rows(cfg: TrainConfig) -> int:
+    """Prompts per batch of the temporal-dynamics profile (0 when the run does not profile:
+    G2RPO, or fixed unweighted chunks)."""
+    if cfg.sampling.algorithm == "g2rpo":
+        return 0
+    layout = parse_chunk_spec(cfg.chunks.spec, cfg.num_trained, cfg.chunks.size)
+    if layout is not None and not cfg.chunks.weighted:
+        return 0
+    return min(cfg.sampling.batch_size, cfg.chunks.profile_prompts)
+
+
 def settings_from_config(cfg: TrainConfig, world_size: int, device: str | None = None,
-                         reward_gb: float | None = None) -> PlanSettings:
-    """The plan's inputs from a training config on ``world_size`` ranks. ``device`` (default:
-    the config's; "auto" plans for CUDA) picks the dtypes: on CUDA ``auto`` means bf16 autocast
-    and bf16 frozen weights; on the CPU, what the trainer picks on this machine."""
+                         reward_gb: float | None = None,
+                         gpus_per_node: int | None = None) -> PlanSettings:
+    """The plan's inputs from a training config on ``world_size`` ranks (``gpus_per_node`` of
+    them per host; default min(world size, 8)). ``device`` (default: the config's; "auto"
+    plans for CUDA) picks the dtypes: on CUDA ``auto`` means bf16 autocast and bf16 frozen
+    weights; on the CPU, what the trainer picks on this machine."""
     device = device or cfg.run.device
     device = "cuda" if device == "auto" else device
     if device == "cuda":
@@ -232,7 +308,11 @@ def settings_from_config(cfg: TrainConfig, world_size: int, device: str | None =
         rollout_batch_size=min(cfg.sampling.batch_size, rows),
         rollout_rows=rows, num_steps=cfg.sampling.steps,
         text_encoders=cfg.model.text_encoders, hybrid_base=cfg.eval.hybrid_steps > 0,
-        ema=cfg.optim.ema_decay > 0, reward_gb=reward_gb)
+        ema=cfg.optim.ema_decay > 0, reward_gb=reward_gb,
+        reduce_dtype=getattr(cfg.parallel, "reduce_dtype", "fp32"),
+        gpus_per_node=gpus_per_node or min(world_size, 8), profile_rows=_profile_rows(cfg),
+        reward_batch=min(cfg.reward.batch_size or cfg.sampling.batch_size, rows),
+        eval_rows=math.ceil(max(cfg.eval.images, cfg.eval.final_images) / world_size))
 
 
 # ----------------------------------------------------------------------------- sizes
@@ -243,10 +323,13 @@ class ModelSizes:
 
     transformer: int
     largest_block: int
+    block_pair: int  # the two adjacent blocks with the most parameters (FSDP's working set)
     root: int  # outside the blocks: embedders, final norm and projection
+    largest_tensor: int  # the transformer's largest weight (loaded whole, one at a time)
     vae: int
     text_encoders: int
     configs: ModelConfigs
+    files: dict  # component -> bytes of its checkpoint files
 
 
 @functools.lru_cache(maxsize=8)
@@ -255,12 +338,27 @@ def model_sizes(model: str) -> ModelSizes:
     transformer = build_transformer(configs.transformer)
     blocks = [count_parameters(b) for b in transformer_blocks(transformer)]
     total = count_parameters(transformer)
+    pairs = [a + b for a, b in zip(blocks, blocks[1:], strict=False)] or blocks
+    vae = count_parameters(build_vae(configs.vae))
+    text = count_parameters(build_clip_text(configs.text_encoder)) \
+        + count_parameters(build_t5_encoder(configs.text_encoder_2))
+    counts = {"transformer": total, "vae": vae, "text_encoders": text}
     return ModelSizes(
-        transformer=total, largest_block=max(blocks), root=total - sum(blocks),
-        vae=count_parameters(build_vae(configs.vae)),
-        text_encoders=count_parameters(build_clip_text(configs.text_encoder))
-        + count_parameters(build_t5_encoder(configs.text_encoder_2)),
-        configs=configs)
+        transformer=total, largest_block=max(blocks), block_pair=max(pairs),
+        root=total - sum(blocks), largest_tensor=largest_tensor(transformer), vae=vae,
+        text_encoders=text, configs=configs,
+        files={part: _checkpoint_bytes(model, part, n) for part, n in counts.items()})
+
+
+def _checkpoint_bytes(model: str, part: str, parameters: int) -> int:
+    """Bytes of a component's safetensors files in a local model directory, else its parameters
+    at `CHECKPOINT_BYTES_PER_PARAM` (the published FLUX.1-dev files are bf16)."""
+    local = Path(str(EMBEDDED_MODEL_DIR) if model == "embedded" else model).expanduser()
+    folders = ("text_encoder", "text_encoder_2") if part == "text_encoders" else (part,)
+    found = [f for folder in folders for f in (local / folder).glob("*.safetensors")] \
+        if local.is_dir() else []
+    return sum(f.stat().st_size for f in found) if found else \
+        CHECKPOINT_BYTES_PER_PARAM * parameters
 
 
 @functools.lru_cache(maxsize=8)
@@ -315,119 +413,232 @@ def image_tokens(s: PlanSettings, configs: ModelConfigs) -> int:
 def build_plan(s: PlanSettings, gpu_bytes: float) -> Plan:
     """The memory plan of ``s`` against ``gpu_bytes`` per GPU."""
     sizes = model_sizes(s.model)
-    cuda = s.device == "cuda"
-    lora = s.lora_rank > 0
+    rows, phases = _phases(s, sizes)
+    train = {reduce: _phases(dataclasses.replace(s, reduce_dtype=reduce), sizes)[1][
+        PHASES.index("train")].gpu_bytes for reduce in REDUCE_DTYPES}
+    return Plan(settings=s, rows=rows, phases=phases, gpu_bytes=gpu_bytes,
+                assumptions=_assumptions(s, sizes), source=sizes.configs.source,
+                train_by_reduce_dtype=train)
+
+
+def _phases(s: PlanSettings, sizes: ModelSizes) -> tuple[list[PlanRow], list[PhasePlan]]:
+    """The parts (rows) and the phases built from them."""
+    cuda, lora = s.device == "cuda", s.lora_rank > 0
     shard, fsdp = s.shard, s.parallelism == "fsdp"
     trainable = _lora_parameters(s.model, s.lora_rank, s.lora_targets) if lora \
         else sizes.transformer
     wbytes, cbytes = _DTYPE_BYTES[s.weights_dtype], _DTYPE_BYTES[s.compute_dtype]
+    rbytes = _DTYPE_BYTES[s.reduce_dtype]
     offload = fsdp and s.cpu_offload
     device = "GPU" if cuda else "CPU"
-    home = "CPU" if offload else device
     split = f"/{shard} (FSDP shard)" if fsdp else "full copy"
+    ranks = s.ranks_per_node
     rows: list[PlanRow] = []
+    host_rank: dict[str, float] = {}  # part -> bytes on each rank's CPU (cpu_offload, cpu)
 
-    def add(part: str, nbytes: float, note: str = "", phase: str = "static",
-            where: str = device) -> None:
-        if where != device:  # offloaded from the GPU to the host
-            note = f"{nbytes / GB:.1f} GB on the CPU per rank; {note}".rstrip("; ")
+    def part(name: str, nbytes: float, note: str = "", where: str = device) -> float:
+        """A part's bytes on the GPU (0 when it lives on the CPU: then per rank on the host)."""
+        if where != device:
+            host_rank[name] = nbytes
+            note = f"{nbytes / GB:.2f} GB on the CPU per rank; {note}".rstrip("; ")
             nbytes = 0.0
-        rows.append(PlanRow(part, nbytes, where, note, phase))
+        rows.append(PlanRow(name, nbytes, where, note))
+        return nbytes
 
     what = f"LoRA r={s.lora_rank} ({trainable / 1e6:.1f}M)" if lora else \
         f"full FT ({trainable / 1e9:.2f}B)"
-    add("trainable weights (fp32 master)", 4 * trainable / shard, f"{what}, {split}",
-        where=home)
+    home = "CPU" if offload else device
+    weights = part("trainable weights (fp32 master)", 4 * trainable / shard, f"{what}, {split}",
+                   home)
     opt_bytes = 8 if s.optimizer == "adamw" else ADAM8BIT_BYTES
-    add(f"optimizer state ({s.optimizer})", opt_bytes * trainable / shard,
-        f"{opt_bytes:.2f} B/param, {split}", where=home)
-    if s.ema:
-        add("EMA of the trainable weights", 4 * trainable / shard, f"fp32, {split}")
-    frozen = sizes.transformer if lora else 0
-    add(f"frozen weights ({s.weights_dtype})", wbytes * frozen / shard,
-        "the base under LoRA" if lora else "none: every weight is trained",
-        where=home if frozen else device)
-    if not s.hybrid_base:
-        add("hybrid-evaluation base", 0, "eval_hybrid_steps: 0")
-    elif lora:
-        add("hybrid-evaluation base", 0, "the same weights with the adapters disabled")
+    optimizer = part(f"optimizer state ({s.optimizer})", opt_bytes * trainable / shard,
+                     f"{opt_bytes:.2f} B/param, {split}, from the first step", home)
+    ema = part("EMA of the trainable weights", 4 * trainable / shard if s.ema else 0,
+               f"fp32, {split}" if s.ema else "ema_decay: 0")
+    frozen = part(f"frozen weights ({s.weights_dtype})",
+                  wbytes * sizes.transformer / shard if lora else 0,
+                  "the base under LoRA" if lora else "none: every weight is trained",
+                  home if lora else device)
+    if not s.hybrid_base or lora:
+        base = part("hybrid-evaluation base", 0, "eval_hybrid_steps: 0" if not s.hybrid_base
+                    else "the same weights with the adapters disabled")
     else:
-        add(f"hybrid-evaluation base ({s.weights_dtype})", wbytes * sizes.transformer / shard,
-            f"one frozen copy, {split}")
-    text_bytes = wbytes * sizes.text_encoders
+        base = part(f"hybrid-evaluation base ({s.weights_dtype})",
+                    wbytes * sizes.transformer / shard, f"one frozen copy, {split}")
+    text_all = wbytes * sizes.text_encoders
     text_note = f"T5 + CLIP, {sizes.text_encoders / 1e9:.2f}B in {s.weights_dtype}"
     if s.text_encoders == "cache":
-        add("text encoders", 0, "text_encoders: cache (embeddings on disk, encoders freed)")
+        text = part("text encoders", 0, "text_encoders: cache (on the GPU only while caching)")
     else:
-        add("text encoders", text_bytes, text_note,
-            where="CPU" if s.text_encoders == "cpu" else device)
-    add(f"VAE ({s.weights_dtype})", wbytes * sizes.vae, f"{sizes.vae / 1e6:.1f}M params")
-    add_reward(add, s, cuda)
-    add("CUDA context, workspaces, allocator slack", CUDA_CONTEXT_BYTES if cuda else 0,
-        "fixed allowance" if cuda else "none on the CPU")
+        text = part("text encoders", text_all, text_note,
+                    "CPU" if s.text_encoders == "cpu" else device)
+    vae = part(f"VAE ({s.weights_dtype})", wbytes * sizes.vae, f"{sizes.vae / 1e6:.1f}M params")
+    reward, reward_note = _reward_bytes(s, cuda)
+    reward = part(f"reward model ({'bf16' if cuda else 'fp32'})", reward, reward_note)
+    context = part("CUDA context, workspaces, allocator slack", CUDA_CONTEXT_BYTES if cuda else 0,
+                   "fixed allowance" if cuda else "none on the CPU")
     tokens = image_tokens(s, sizes.configs)
     channels = sizes.configs.transformer["in_channels"]
-    latents = s.rollout_rows * (s.num_steps + 1) * tokens * channels * 4
-    images = s.rollout_rows * 3 * s.height * s.width * 4
-    add("rollout buffers", latents + images,
-        f"{s.rollout_rows} rows x {s.num_steps + 1} latents fp32 + decoded images")
-
-    # The training phase: gradients, FSDP's or DDP's working set, the call's activations.
-    add("gradients (fp32)", 4 * trainable / shard, split, phase="train", where=home)
+    pixels = 3 * s.height * s.width * 4
+    buffers = part("rollout buffers", s.rollout_rows * ((s.num_steps + 1) * tokens * channels * 4
+                                                        + pixels),
+                   f"{s.rollout_rows} rows x {s.num_steps + 1} latents fp32 + decoded images")
     if fsdp:
-        working = 2 * cbytes * sizes.largest_block + cbytes * sizes.root
-        grads = (cbytes + 4) * (sizes.largest_block if not lora else 0)
-        add("FSDP unsharded blocks", working + grads,
-            f"2 blocks + root in {s.compute_dtype}"
-            + ("" if lora else ", 1 block's gradient (+ fp32 for the reduce)"), phase="train")
-    elif s.parallelism == "ddp" and s.world_size > 1:
-        add("DDP gradient buckets", 4 * trainable, "a copy of the gradients", phase="train")
+        gradients = part("gradients (fp32 shards)", 4 * trainable / shard,
+                         f"{split}, reduce-scattered every micro-batch", home)
+        in_flight = 0 if lora else (cbytes + rbytes) * sizes.largest_block
+        grad_work = part("unsharded gradient in flight", in_flight,
+                         "LoRA: the adapters' only" if lora else
+                         f"1 block in {s.compute_dtype} + its reduce-scatter copy in "
+                         f"{s.reduce_dtype}")
+        unsharded = part("FSDP unsharded blocks", cbytes * (sizes.block_pair + sizes.root),
+                         f"2 adjacent blocks + root in {s.compute_dtype}")
+    else:
+        gradients = part("gradients (fp32)", 4 * trainable, "full copy, kept across "
+                         "accumulation (no_sync)" if s.parallelism == "ddp" else "full copy")
+        ddp = s.parallelism == "ddp" and s.world_size > 1
+        grad_work = part("DDP gradient buckets", 4 * trainable if ddp else 0,
+                         "a second copy of the gradients" if ddp else "no DDP")
+        unsharded = 0.0
     adapters = Adapters(s.lora_rank, s.lora_targets) if lora else Adapters()
     precision = _call_precision(s)
-    train_shape = CallShape(s.train_rows, tokens, s.text_tokens)
-    train = _call_memory(s.model, train_shape, True, s.gradient_checkpointing, adapters,
-                         precision)
-    checkpointing = "with" if s.gradient_checkpointing else "without"
-    copies = f", incl. {train.weight_copies / GB:.1f} GB autocast weight casts" \
-        if train.weight_copies else ""
-    add("activations (training call)", train.peak,
-        f"{s.train_rows} rows = {s.max_chunk} trained steps x micro-batch {s.micro_batch_size}, "
-        f"{tokens}+{s.text_tokens} tokens, {checkpointing} checkpointing; saved for backward "
-        f"{train.saved / GB:.2f} GB{copies}", phase="train")
+    train_call = _call_memory(s.model, CallShape(s.train_rows, tokens, s.text_tokens), True,
+                              s.gradient_checkpointing, adapters, precision)
+    train_acts = part("activations (training call)", train_call.peak,
+                      f"{s.train_rows} rows = {s.max_chunk} trained steps x micro-batch "
+                      f"{s.micro_batch_size}, {tokens}+{s.text_tokens} tokens, "
+                      f"{'with' if s.gradient_checkpointing else 'without'} checkpointing")
 
-    # The rollout phase: a no-grad call of a rollout batch, then the VAE decode of it.
-    if fsdp:
-        add("FSDP unsharded blocks", 2 * cbytes * sizes.largest_block + cbytes * sizes.root,
-            f"2 blocks + root in {s.compute_dtype}", phase="rollout")
-    roll = _call_memory(s.model, CallShape(s.rollout_batch_size, tokens, s.text_tokens), False,
-                        False, adapters, precision)
-    decode = _decode_memory(s.model, s.rollout_batch_size, s.height, s.width, s.weights_dtype)
-    add("activations (rollout call, VAE decode)", max(roll.peak, decode.peak),
-        f"{s.rollout_batch_size} rows, no grad: transformer {roll.peak / GB:.2f} GB, "
-        f"decode {decode.peak / GB:.2f} GB", phase="rollout")
+    def sampling_call(batch: int) -> float:
+        call = _call_memory(s.model, CallShape(batch, tokens, s.text_tokens), False, False,
+                            adapters, precision)
+        decode = _decode_memory(s.model, batch, s.height, s.width, s.weights_dtype)
+        return max(call.peak, decode.peak)
 
-    assumptions = [
-        f"parallelism {s.parallelism} on {s.world_size} {'GPU' if cuda else 'process'}(es); "
-        f"compute {s.compute_dtype}"
+    roll_acts = part("activations (sampling call, VAE decode)", sampling_call(
+        s.rollout_batch_size), f"{s.rollout_batch_size} rows, no grad")
+    in_tensor = 4 * sizes.largest_tensor  # one full tensor, filled into fp32 shards
+
+    # Everything held from the first optimizer step on.
+    held = [("trainable weights", weights), ("frozen weights", frozen), ("hybrid base", base),
+            ("text encoders", text), ("VAE", vae), ("reward model", reward),
+            ("CUDA context", context), ("optimizer state", optimizer), ("EMA", ema)]
+    loaded = held[:7]
+    offloaded = sum(host_rank.get(r.part, 0) for r in rows
+                    if r.part.startswith(("trainable", "optimizer", "frozen", "gradients")))
+    text_host = host_rank.get("text encoders", 0)
+
+    def phase(name: str, gpu: list, host: list | None = None, rank_host: float = 0.0,
+              note: str = "") -> PhasePlan:
+        """A phase; ``rank_host`` bytes on each rank's CPU join the offloaded parts."""
+        per_rank = rank_host + text_host + offloaded
+        host = [*(host or []), ("per rank: " + note_of_rank(name), ranks * per_rank)]
+        return PhasePlan(name, tuple((k, v) for k, v in gpu if v), tuple(
+            (k, v) for k, v in host if v), per_rank, note)
+
+    def note_of_rank(name: str) -> str:
+        return {"load": "one full tensor in flight", "checkpoint": "shards in flight",
+                "export": "rank 0's gathered model"}.get(name, "offloaded / CPU parts")
+
+    files = sizes.files
+    page_cache = [("transformer checkpoint page cache", files["transformer"]),
+                  ("text encoder + VAE page cache", files["text_encoders"] + files["vae"])]
+    load_text = text_all if s.text_encoders == "cache" else text
+    out = [phase("load", [*loaded[:3], ("text encoders", load_text), *loaded[4:],
+                          ("one full tensor in flight", in_tensor if fsdp else 0)],
+                 page_cache, in_tensor if fsdp else 4 * trainable + frozen * shard,
+                 "policy on meta, sharded, each rank filling its shards; then the reward")]
+    encoding = 2 * PROMPT_CACHE_BATCH * s.text_tokens * (
+        sizes.configs.text_encoder_2.get("d_ff", 0) * wbytes)
+    if s.text_encoders == "cache":
+        out.append(phase("prompt_cache", [*loaded[:3], ("text encoders", text_all),
+                                          *loaded[4:], ("encoder activations", encoding)],
+                         note="text encoders on the GPU while encoding, then freed"))
+    else:
+        out.append(phase("prompt_cache", [], note=f"text_encoders: {s.text_encoders}: nothing "
+                                                   f"cached"))
+    if s.profile_rows:
+        profile_buffers = s.profile_rows * (s.num_steps + 1) * tokens * channels * 4
+        out.append(phase("profile", [*loaded, ("FSDP unsharded blocks", unsharded),
+                                     ("activations (no-grad call)", sampling_call(
+                                         s.profile_rows)),
+                                     ("profile latents", profile_buffers)],
+                         note=f"{s.profile_rows} prompts per batch, no grad"))
+    else:
+        out.append(phase("profile", [], note="no temporal profile (fixed, unweighted chunks)"))
+    out.append(phase("rollout", [*held, ("rollout buffers", buffers),
+                                 ("FSDP unsharded blocks", unsharded),
+                                 ("activations (sampling call)", roll_acts)],
+                     note=f"{s.rollout_rows} rows in batches of {s.rollout_batch_size}"))
+    reward_batch = s.reward_batch * pixels
+    out.append(phase("reward", [*held, ("rollout buffers", buffers),
+                                ("reward batch (images)", reward_batch)],
+                     note=f"{s.reward_batch} images per call; the reward's own activations "
+                          f"not measured"))
+    out.append(phase("train", [*held, ("rollout buffers", buffers), ("gradients", gradients),
+                               ("gradient in flight / buckets", grad_work),
+                               ("FSDP unsharded blocks", unsharded),
+                               ("activations (training call)", train_acts)],
+                     note=f"micro-batch {s.micro_batch_size}, reduce_dtype {s.reduce_dtype}"))
+    eval_batch = min(s.rollout_batch_size, max(1, s.eval_rows))
+    out.append(phase("eval", [*held, ("FSDP unsharded blocks", unsharded),
+                              ("activations (sampling call)", sampling_call(eval_batch))],
+                     rank_host=s.eval_rows * pixels,
+                     note="no grad; the hybrid base resident" if base else "no grad"))
+    if s.world_size > 1:
+        out.append(phase("checkpoint", held, rank_host=4 * sizes.largest_tensor / shard,
+                         note="sharded DCP: each rank writes its shards, one tensor at a time"))
+        full = 4 * trainable + (wbytes * sizes.transformer if lora else 0)
+        export_host = [("rank 0: the gathered transformer", full)]
+        if lora:  # merging copies it, into a plain fp32 transformer
+            export_host.append(("rank 0: LoRA merged (a copy, then fp32)",
+                                full + 4 * sizes.transformer))
+        if s.text_encoders == "cache":
+            export_host.append(("rank 0: text encoders reloaded", text_all))
+        out.append(phase("export", [*held, ("one full tensor in flight", in_tensor if fsdp
+                                            else 0)], export_host,
+                         note="gathered tensor by tensor onto rank 0's CPU, cast and saved"))
+        out[-1] = dataclasses.replace(out[-1], host_rank_bytes=out[-1].host_rank_bytes
+                                      + sum(b for _, b in export_host))
+    else:
+        out.append(phase("checkpoint", [*held, ("trained weights cloned", 4 * trainable)],
+                         rank_host=4 * sizes.largest_tensor,
+                         note="one file: the trained weights cloned, saved tensor by tensor"))
+        copy = wbytes * sizes.transformer
+        out.append(phase("export", [*held, ("deep copy of the transformer", 4 * trainable
+                                            + (copy if lora else 0))],
+                         [("the exported transformer", copy)]
+                         + ([("LoRA merged into an fp32 copy", 4 * sizes.transformer)]
+                            if lora else []),
+                         note="one process: a deep copy on the device, cast, saved from there"))
+    return rows, out
+
+
+def _assumptions(s: PlanSettings, sizes: ModelSizes) -> list[str]:
+    cuda = s.device == "cuda"
+    tokens = image_tokens(s, sizes.configs)
+    out = [
+        f"parallelism {s.parallelism} on {s.world_size} {'GPU' if cuda else 'process'}(es), "
+        f"{s.ranks_per_node} per node; compute {s.compute_dtype}"
         + (" (bf16 autocast, simulated with CPU autocast)" if s.compute_dtype == "bf16" else "")
-        + f"; frozen weights, base, encoders and VAE in {s.weights_dtype}",
-        "hybrid-evaluation base: " + ("none" if not s.hybrid_base else
-                                      "LoRA disabled on the same weights (0 extra)" if lora else
-                                      "one frozen copy of the transformer"),
+        + f"; frozen weights, base, encoders and VAE in {s.weights_dtype}"
+        + (f"; FSDP reduces gradients in {s.reduce_dtype}" if s.parallelism == "fsdp" else ""),
         f"activations measured with FakeTensor at {s.height}x{s.width} ({tokens} image tokens, "
         f"{s.text_tokens} text tokens) and extrapolated from 1-2 blocks of each kind",
-        "reward scoring's own activations are not measured (no-grad, one reward batch)",
+        "the reward's own activations are not measured (no grad, one reward batch)",
+        "host: checkpoint files in the page cache once per node (reclaimable), each rank's CPU "
+        "parts times the ranks of a node",
     ]
     if cuda:
-        assumptions.append(f"CUDA context/workspace allowance {CUDA_CONTEXT_BYTES / GB:.0f} GB")
-    if offload:
-        assumptions.append("cpu_offload: weights, gradients and optimizer state on the CPU")
-    return Plan(settings=s, rows=rows, gpu_bytes=gpu_bytes, assumptions=assumptions,
-                source=sizes.configs.source)
+        out.append(f"CUDA context/workspace allowance {CUDA_CONTEXT_BYTES / GB:.0f} GB")
+    if s.parallelism == "fsdp" and s.cpu_offload:
+        out.append("cpu_offload: weights, gradients and optimizer state on the CPU")
+    return out
 
 
-def add_reward(add, s: PlanSettings, cuda: bool) -> None:
-    """The reward models' row: bf16 on CUDA, fp32 on the CPU; unknown ones from --reward-gb."""
+def _reward_bytes(s: PlanSettings, cuda: bool) -> tuple[float, str]:
+    """The reward models' bytes (bf16 on CUDA, fp32 on the CPU; unknown ones from
+    --reward-gb) and a note naming them."""
     sizes = _reward_sizes(s.reward)
     known = sum(r.parameters for r in sizes if r.parameters is not None)
     unknown = [r.name for r in sizes if r.parameters is None]
@@ -439,8 +650,7 @@ def add_reward(add, s: PlanSettings, cuda: bool) -> None:
                               f"give it with --reward-gb GB (its weights on one GPU)")
         nbytes += s.reward_gb * GB
         what += f"; {s.reward_gb:g} GB given by --reward-gb"
-    add(f"reward model ({'bf16' if cuda else 'fp32'})", nbytes,
-        f"{what} ({known / 1e9:.2f}B params)")
+    return nbytes, f"{what} ({known / 1e9:.2f}B params)"
 
 
 # ----------------------------------------------------------------------------- levers
@@ -466,6 +676,8 @@ def _levers(s: PlanSettings) -> list[tuple[str, PlanSettings]]:
         out.append(("text_encoders: cache", dataclasses.replace(s, text_encoders="cache")))
     if s.weights_dtype == "fp32" and s.device == "cuda":
         out.append(("weights_dtype: bf16", dataclasses.replace(s, weights_dtype="bf16")))
+    if s.parallelism == "fsdp" and s.reduce_dtype == "fp32" and s.compute_dtype == "bf16":
+        out.append(("reduce_dtype: bf16", dataclasses.replace(s, reduce_dtype="bf16")))
     if s.parallelism == "fsdp" and not s.cpu_offload:
         out.append(("cpu_offload: true", dataclasses.replace(s, cpu_offload=True)))
     return out
@@ -486,21 +698,23 @@ def does_not_fit_message(plan: Plan) -> str:
     levers = levers_by_effect(plan)
     cuts = ", ".join(f"{label} (-{saved / GB:.1f} GB)" for label, saved in levers) or \
         "none left: use more or larger GPUs"
-    return (f"memory plan: peak {plan.peak_bytes / GB:.1f} GB per GPU exceeds the "
-            f"{plan.gpu_bytes / GB:.1f} GB budget ({s.world_size} x {s.device}, parallelism "
-            f"{s.parallelism}, lora_rank {s.lora_rank}); levers by effect: {cuts}. Run python "
-            f"-m chunk_grpo.plan for the table")
+    return (f"memory plan: the {plan.peak_phase} phase peaks at {plan.peak_bytes / GB:.1f} GB "
+            f"per GPU, over the {plan.gpu_bytes / GB:.1f} GB budget ({s.world_size} x "
+            f"{s.device}, parallelism {s.parallelism}, lora_rank {s.lora_rank}); levers by "
+            f"effect: {cuts}. Run python -m chunk_grpo.plan for the table of phases")
 
 
 def plan_for_config(cfg: TrainConfig, world_size: int, gpu_bytes: float, *,
-                    device: str | None = None, reward_gb: float | None = None) -> Plan:
-    """The memory plan of a training config on ``world_size`` devices of ``gpu_bytes``."""
+                    device: str | None = None, reward_gb: float | None = None,
+                    gpus_per_node: int | None = None) -> Plan:
+    """The memory plan of a training config on ``world_size`` devices of ``gpu_bytes``
+    (``gpus_per_node`` of them per host, default min(world size, 8))."""
     if world_size < 1:
         raise ConfigError(f"world size must be >= 1, got {world_size}")
     if not math.isfinite(gpu_bytes) or gpu_bytes <= 0:
         raise ConfigError(f"GPU memory must be > 0, got {gpu_bytes}")
     try:
-        settings = settings_from_config(cfg, world_size, device, reward_gb)
+        settings = settings_from_config(cfg, world_size, device, reward_gb, gpus_per_node)
         return build_plan(settings, gpu_bytes)
     except ValueError as err:
         if isinstance(err, ConfigError):
@@ -510,34 +724,44 @@ def plan_for_config(cfg: TrainConfig, world_size: int, gpu_bytes: float, *,
 
 def check_plan(cfg: TrainConfig, world_size: int, gpu_bytes: float, *,
                reward_gb: float | None = None) -> Plan:
-    """The trainer's start-up check on CUDA: the plan, or `PlanDoesNotFit` with the peak, the
-    budget and the levers that would cut it, in order of effect."""
+    """The trainer's start-up check on CUDA, on the plan's per-phase peaks: the plan, or
+    `PlanDoesNotFit` naming the phase over the budget, its peak and the levers that would cut
+    it, in order of effect."""
     plan = plan_for_config(cfg, world_size, gpu_bytes, device="cuda", reward_gb=reward_gb)
     if not plan.fits:
         raise PlanDoesNotFit(does_not_fit_message(plan))
     return plan
 
 
-def format_plan(plan: Plan) -> str:
-    """The table (parts x GB per GPU and where), the phases, the assumptions and the verdict."""
+def format_plan(plan: Plan, parts: bool = True) -> str:
+    """The table of phases (GB per GPU, GB per host), the parts (``parts``), the assumptions
+    and the verdict."""
     s = plan.settings
     lines = [f"Memory plan: {s.model} with reward {s.reward}, {s.world_size} x "
-             f"{plan.gpu_bytes / GB:.0f} GB ({s.device}), parallelism {s.parallelism}"
+             f"{plan.gpu_bytes / GB:.0f} GB ({s.device}, {s.ranks_per_node} per node), "
+             f"parallelism {s.parallelism}"
              f"{' + cpu_offload' if s.cpu_offload and s.parallelism == 'fsdp' else ''}, "
              f"{'LoRA r=' + str(s.lora_rank) if s.lora_rank else 'full fine-tuning'}, "
              f"{s.optimizer}",
              f"model configs: {plan.source}", ""]
-    width = max(len(r.part) for r in plan.rows) + 2
-    lines.append(f"{'part':<{width}}{'GB/GPU':>8}  {'phase':<8} {'where':<5} note")
-    lines.append("-" * (width + 60))
-    for r in plan.rows:
-        lines.append(f"{r.part:<{width}}{r.gpu_bytes / GB:>8.2f}  {r.phase:<8} {r.where:<5} "
-                     f"{r.note}")
-    lines.append("-" * (width + 60))
-    for phase, label in (("static", "static (all phases)"), ("train", "training phase adds"),
-                         ("rollout", "rollout phase adds")):
-        lines.append(f"{label:<{width}}{plan.phase_bytes(phase) / GB:>8.2f}")
-    lines.append(f"{'peak':<{width}}{plan.peak_bytes / GB:>8.2f}  ({plan.peak_phase})")
+    if parts:
+        width = max(len(r.part) for r in plan.rows) + 2
+        lines.append(f"{'part':<{width}}{'GB/GPU':>8}  {'where':<5} note")
+        lines.append("-" * (width + 50))
+        lines.extend(f"{r.part:<{width}}{r.gpu_bytes / GB:>8.2f}  {r.where:<5} {r.note}"
+                     for r in plan.rows)
+        lines.append("")
+    lines.append(f"{'phase':<14}{'GB/GPU':>8}{'GB/host':>9}  note")
+    lines.append("-" * 80)
+    for p in plan.phases:
+        mark = "  <- peak" if p.name == plan.peak_phase else ""
+        lines.append(f"{p.name:<14}{p.gpu_bytes / GB:>8.2f}{p.host_bytes / GB:>9.2f}  "
+                     f"{p.note}{mark}")
+    lines.append("-" * 80)
+    if s.parallelism == "fsdp":
+        lines.append("train by reduce_dtype: " + ", ".join(
+            f"{dtype} {nbytes / GB:.2f} GB/GPU" for dtype, nbytes in
+            plan.train_by_reduce_dtype.items()) + f" (this config: {s.reduce_dtype})")
     lines.append("")
     lines.extend(f"assumes: {a}" for a in plan.assumptions)
     lines.append("")

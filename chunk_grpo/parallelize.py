@@ -3,13 +3,15 @@
 `parallelize_transformer` applies, in torchtitan's order: activation checkpointing per block ->
 optional `torch.compile` per block -> `fully_shard` (FSDP2) per double block
 (`transformer_blocks`) and single block (`single_transformer_blocks`) -> the root. FSDP2 keeps
-fp32 master weights sharded on dim 0 (DTensors) and computes in `param_dtype` (bf16) with fp32
-gradient reduction. DDP (torch's) keeps a full copy per rank and all-reduces gradients in
-buckets. LoRA works with both: frozen base weights and trainable adapters share a block.
+fp32 master weights sharded on dim 0 (DTensors) and computes in `param_dtype` (bf16), reducing
+gradients in `reduce_dtype` (fp32 or bf16, `parallel.reduce_dtype`). DDP (torch's) keeps a full
+copy per rank and all-reduces gradients in buckets. LoRA works with both: frozen base weights
+and trainable adapters share a block.
 
 The training loop then needs three things from here, around every optimizer step:
-`sync_gradients` (skip the gradient collective on all but the last micro-batch), `clip_grad_norm`
-(the global norm over the shards) and `any_rank` (all ranks skip a non-finite step together).
+`sync_gradients` (DDP: skip the all-reduce on all but the last micro-batch; FSDP2 reduce-scatters
+every micro-batch, so each rank only ever holds its gradient shards), `clip_grad_norm` (the global
+norm over the shards) and `any_rank` (all ranks skip a non-finite step together).
 Under FSDP every forward and backward holds collectives: every rank must make the same calls,
 and call backward even for a non-finite loss (the agreed flag then skips the step).
 """
@@ -28,7 +30,7 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
 
 PARALLELISMS = ("fsdp", "ddp", "none")
@@ -84,7 +86,9 @@ def parallelize_transformer(transformer: torch.nn.Module, *, mode: str,
 
     Build the optimizer after this call: FSDP replaces the parameters by sharded ones (collect
     them with `trainable_parameters`). The weights must be identical on every rank before the
-    call (build them from the same seed): FSDP shards each rank's own copy.
+    call (build them from the same seed): FSDP shards each rank's own copy. Or the transformer
+    is on the ``meta`` device: FSDP then shards the empty parameters, and the caller
+    materialises and fills the shards (`chunk_grpo.sharded_load`).
     """
     device = torch.device(device)
     world = world_size()
@@ -124,6 +128,12 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is FSDP2-sharded (also on a 1-rank group): its state is DTensors, so it
+    is checkpointed, restored and exported the sharded way."""
+    return isinstance(unwrapped(model), FSDPModule)
+
+
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The parameters the optimizer steps (sharded DTensors under FSDP)."""
     return [p for p in unwrapped(model).parameters() if p.requires_grad]
@@ -131,49 +141,63 @@ def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 @contextmanager
 def sync_gradients(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
-    """Wrap one micro-batch's forward and backward: with ``enabled`` False the gradients only
-    accumulate locally (DDP's no_sync; FSDP2 keeps them unsharded), True on the last
-    micro-batch before an optimizer step, which reduces the accumulated sum once.
+    """Wrap one micro-batch's forward and backward: with ``enabled`` False (all but the last
+    micro-batch before an optimizer step) DDP accumulates locally (`no_sync`) and all-reduces
+    the sum once, on the last one.
+
+    FSDP2 reduce-scatters every micro-batch and adds the averaged shard to the sharded
+    gradient: the same sum of micro-batch gradients, and a rank holds only 1/N of the
+    gradients. Skipping its sync (`set_requires_gradient_sync(False)`) would keep the full,
+    unsharded gradients of every parameter on every rank until the last micro-batch.
 
     DDP decides in the forward whether the backward all-reduces, so the forward belongs inside.
     """
-    if enabled:
-        yield
-    elif isinstance(model, DistributedDataParallel):
+    if not enabled and isinstance(model, DistributedDataParallel):
         with model.no_sync():
             yield
-    elif isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
     else:
         yield
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
+def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The part of ``param`` this rank holds and the index of its first row: an FSDP2 DTensor's
+    local dim-0 shard (FSDP2 cuts dim 0 as `torch.chunk` does), or a plain tensor whole."""
+    if not isinstance(param, DTensor):
+        return param.data, 0
+    if tuple(param.placements) != (Shard(0),):
+        raise ValueError(f"expected a dim-0 shard, got placements {param.placements}")
+    local = param.to_local()
+    rows = param.shape[0]
+    per_rank = -(-rows // param.device_mesh.size())
+    return local, min(param.device_mesh.get_local_rank() * per_rank, rows)
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """Scale the gradients to a global L2 norm of at most ``max_norm``; returns the norm before
-    clipping. Under FSDP each rank holds gradient shards: the norm is taken over all of them
-    (the same number on every rank, and the one a single process computes); NaN/Inf if any
-    gradient is not finite."""
+    clipping, a 0-d tensor on the gradients' device (not read back: no host sync). Under FSDP
+    each rank holds gradient shards: the norm is taken over all of them (the same number on
+    every rank, and the one a single process computes); NaN/Inf if any gradient is not
+    finite."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
-        return 0.0
+        return torch.zeros(())
     total = torch.nn.utils.get_total_norm(grads, 2.0)
     if isinstance(total, DTensor):
         total = total.full_tensor()  # the sum of the shards' squares, across ranks
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return float(total)
+    return total
 
 
-def any_rank(flag: bool, device: torch.device | str = "cpu") -> bool:
-    """True on every rank when ``flag`` is True on any rank (e.g. a non-finite loss), so all
-    ranks skip the same optimizer step."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return flag
-    value = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+def any_rank(flag: bool | torch.Tensor, device: torch.device | str = "cpu") -> bool:
+    """True on every rank when ``flag`` (a bool, or a bool/0-1 tensor, e.g. a device flag of a
+    non-finite loss) is True on any rank, so all ranks skip the same optimizer step. One
+    all-reduce and one host read."""
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    if not distributed and not isinstance(flag, torch.Tensor):
+        return bool(flag)
+    value = torch.as_tensor(flag, device=device).to(torch.float32).reshape(1)
+    if distributed:
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return bool(value.item() > 0)
 
 

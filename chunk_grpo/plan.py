@@ -2,10 +2,12 @@
 
     python -m chunk_grpo.plan --config configs/flux_dev_hpsv3.yaml --gpus 8 --gpu-memory 80
 
-Prints bytes per GPU of every part of the run (`chunk_grpo.memory_plan`) and "fits" or "does
-not fit" with the margin; a plan that does not fit also lists the levers that would cut it, by
-effect. Every flag of ``chunk_grpo.train`` overrides the config (``--model DIR``,
-``--lora-rank 64``, ``--parallelism fsdp``, ...). ``--json FILE`` writes the numbers.
+Prints the parts of the run and the peak of each phase (load, prompt caching, temporal
+profile, rollout, reward, training, evaluation, checkpoint save, export) per GPU and per host
+(`chunk_grpo.memory_plan`), "fits" or "does not fit" with the peak phase and the margin, and the
+levers that would cut the peak, by effect. Every flag of ``chunk_grpo.train`` overrides the
+config (``--model DIR``, ``--lora-rank 64``, ``--parallelism fsdp``, ...). ``--json FILE``
+writes the numbers, the phases among them. ``--gpus-per-node N`` sets the ranks a host holds.
 Exit status: 0 when the plan fits, 1 when it does not, 2 for a bad flag or config.
 """
 
@@ -29,12 +31,12 @@ def main(argv: list[str] | None = None) -> Plan:
         raise ConfigError("the plan reads a config, not a run: give --config (or the run's "
                           "config.yaml as --config RUN/config.yaml)")
     cfg = build_config(yaml_path, overrides)
-    plan = plan_for_config(cfg, args.gpus, args.gpu_memory * GB, reward_gb=args.reward_gb)
+    plan = plan_for_config(cfg, args.gpus, args.gpu_memory * GB, reward_gb=args.reward_gb,
+                           gpus_per_node=args.gpus_per_node)
     print(format_plan(plan), flush=True)
-    levers = [] if plan.fits else levers_by_effect(plan)
-    if levers:
-        print("levers by effect: " + ", ".join(f"{label} (-{saved / GB:.1f} GB)"
-                                               for label, saved in levers), flush=True)
+    levers = levers_by_effect(plan)
+    print("levers by effect: " + (", ".join(f"{label} (-{saved / GB:.1f} GB)"
+                                            for label, saved in levers) or "none"), flush=True)
     if args.json:
         data = plan.to_dict()
         data["levers"] = [{"lever": label, "saves_bytes": saved} for label, saved in levers]

@@ -239,3 +239,8 @@ def reward_parameter_counts(spec: str) -> list[RewardModelSize]:
             sizes.append(RewardModelSize(name, "unknown (set --reward-gb)", None))
     return sizes
 
+
+
+def largest_tensor(module: nn.Module) -> int:
+    """Elements of the module's largest parameter or buffer."""
+    return max(t.numel() for t in [*module.parameters(), *module.buffers()])

@@ -7,10 +7,12 @@ from __future__ import annotations
 import copy
 import importlib.util
 import shutil
+import zlib
 from pathlib import Path
 
 import torch
 
+from chunk_grpo.parallelize import local_rows
 from chunk_grpo.specs import LORA_PRESETS, lora_target_modules, preset_name
 from chunk_grpo.weights_dtype import keep_trainable_fp32
 
@@ -55,9 +57,15 @@ def resolve_lora_targets(transformer: torch.nn.Module,
 
 def prepare_transformer(transformer: torch.nn.Module, *, lora_rank: int,
                         lora_alpha: float | None, lora_targets: str | list[str],
-                        gradient_checkpointing: bool, attention_backend: str) -> list:
+                        gradient_checkpointing: bool, attention_backend: str,
+                        lora_seed: int | None = None) -> list:
     """Configure in place; returns the trainable parameters (fp32 LoRA adapters on a base of
-    any dtype, or the whole transformer)."""
+    any dtype, or the whole transformer).
+
+    ``lora_seed``: initialise the adapters from it (`seed_lora_weights`), the same values at
+    every world size and whether the model is sharded or not; None keeps peft's draw from the
+    global generator. On the ``meta`` device nothing is initialised: the caller seeds the
+    adapters once the weights exist (`chunk_grpo.sharded_load`)."""
     transformer.set_attention_backend(attention_backend_name(attention_backend))
     if gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
@@ -70,6 +78,8 @@ def prepare_transformer(transformer: torch.nn.Module, *, lora_rank: int,
             r=lora_rank, lora_alpha=lora_alpha or lora_rank, target_modules=targets,
             init_lora_weights="gaussian"))
         keep_trainable_fp32(transformer)
+        if lora_seed is not None and not any(p.is_meta for p in transformer.parameters()):
+            seed_lora_weights(transformer, lora_seed)
     else:
         transformer.requires_grad_(True)
     transformer.train()
@@ -78,6 +88,27 @@ def prepare_transformer(transformer: torch.nn.Module, *, lora_rank: int,
         raise ValueError(f"no trainable parameters: check lora_targets {lora_targets} against "
                          "the transformer's module names")
     return params
+
+
+def lora_a_init(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
+    """peft's "gaussian" init of a lora_A weight [rank, in] (normal, std 1 / rank), drawn from a
+    generator seeded by ``seed`` and the parameter's name: independent of the order parameters
+    are visited in, of the global generator and of how the weight is sharded."""
+    generator = torch.Generator().manual_seed((seed << 32) + zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=generator) / shape[0]
+
+
+def seed_lora_weights(transformer: torch.nn.Module, seed: int) -> None:
+    """Initialise every LoRA adapter in place: A from `lora_a_init`, B zero (so the adapted
+    model starts as the base). Under FSDP each rank writes only its rows of A."""
+    with torch.no_grad():
+        for name, param in transformer.named_parameters():
+            if ".lora_A." in name:
+                local, start = local_rows(param)
+                full = lora_a_init(name, param.shape, seed)
+                local.copy_(full[start:start + local.shape[0]])
+            elif ".lora_B." in name:
+                local_rows(param)[0].zero_()
 
 
 def uses_lora(transformer: torch.nn.Module) -> bool:
@@ -100,8 +131,12 @@ def load_trainable_state_dict(transformer: torch.nn.Module, state: dict[str, tor
             params[name].copy_(value)
 
 
-def merged_transformer(transformer: torch.nn.Module) -> torch.nn.Module:
-    """A plain copy of the transformer with any LoRA merged into its weights."""
+def merged_transformer(transformer: torch.nn.Module, copy_weights: bool = True
+                       ) -> torch.nn.Module:
+    """A plain copy of the transformer with any LoRA merged into its weights (without LoRA and
+    with ``copy_weights`` False: the transformer itself, for a caller that owns it)."""
+    if not copy_weights and not uses_lora(transformer):
+        return transformer
     model = copy.deepcopy(transformer)
     if not uses_lora(model):
         return model
@@ -118,9 +153,11 @@ def merged_transformer(transformer: torch.nn.Module) -> torch.nn.Module:
 
 
 def export_pipeline(pipeline, transformer: torch.nn.Module, out_dir: str | Path,
-                    defaults=None, dtype: torch.dtype | None = None) -> Path:
+                    defaults=None, dtype: torch.dtype | None = None,
+                    copy_weights: bool = True) -> Path:
     """Save ``pipeline`` with ``transformer`` (LoRA merged, then cast to ``dtype`` if given,
-    e.g. bf16 for FLUX.1-dev's own format) as a diffusers directory.
+    e.g. bf16 for FLUX.1-dev's own format) as a diffusers directory. ``copy_weights`` False
+    casts ``transformer`` itself (a gathered copy the caller drops): no second copy in memory.
 
     ``defaults`` (the model's SamplingDefaults) is saved with it, so evaluation samples the
     exported model exactly as the base. Written to a temporary directory, then moved into place.
@@ -129,7 +166,7 @@ def export_pipeline(pipeline, transformer: torch.nn.Module, out_dir: str | Path,
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    plain = merged_transformer(transformer).eval()
+    plain = merged_transformer(transformer, copy_weights).eval()
     if dtype is not None:
         plain = plain.to(dtype)
     original = pipeline.transformer

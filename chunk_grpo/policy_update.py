@@ -79,6 +79,9 @@ class LossSettings:
     mixed_precision: str = "no"
     ppo_epochs: int = 1
     grad_accum: int = 0
+    # The kernels' value checks read values back to the host (a sync per call); the trainer
+    # turns them off once its config is checked.
+    validate: bool = True
 
 
 def unit_steps(unit: TrainUnit, chunk_steps: list[list[int]]) -> list[int]:
@@ -88,10 +91,13 @@ def unit_steps(unit: TrainUnit, chunk_steps: list[list[int]]) -> list[int]:
 
 def chunk_logprobs(policy, rollout: Rollout, prompt_embeds, rows: torch.Tensor,
                    steps: list[int], *, kind: str, eta: float, cfg_scale: float,
-                   mixed_precision: str = "no") -> torch.Tensor:
+                   mixed_precision: str = "no", validate: bool = True,
+                   sigma_max: float | None = None) -> torch.Tensor:
     """Log-probs [m, c] of the stored transitions x_t -> x_{t+1}, t in ``steps``, for ``rows``.
 
-    One transformer call with m * c rows (sample-major), each at its own sigma.
+    One transformer call with m * c rows (sample-major), each at its own sigma. ``validate``:
+    the kernel's value checks (a host sync). ``sigma_max``: the schedule's s_1 (default read
+    from ``rollout.sigmas``).
     """
     m, c = rows.numel(), len(steps)
     device = rollout.latents.device
@@ -104,13 +110,16 @@ def chunk_logprobs(policy, rollout: Rollout, prompt_embeds, rows: torch.Tensor,
     with autocast_context(x.device, mixed_precision):
         v = policy.velocity(x, sigma, embeds, cfg_scale=cfg_scale)
     logp = grpo_kernels.sde_step_logprob(x, v, x_next, sigma, sigma_next, eta=eta, kind=kind,
-                                         sigma_max=float(rollout.sigmas[1]))
+                                         sigma_max=float(rollout.sigmas[1]) if sigma_max is None
+                                         else sigma_max,
+                                         validate=validate)
     return logp.view(m, c)
 
 
 def unit_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,
               chunk_sizes: list[int], *, clip_low: float, clip_high: float, kl_coef: float = 0.0,
-              logp_ref: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+              logp_ref: torch.Tensor | None = None, validate: bool = True
+              ) -> tuple[torch.Tensor, dict]:
     """The chunk-level clipped loss of one unit (its chunks side by side in ``logp_new``
     [m, sum(chunk_sizes)]), in one `chunk_grpo_loss` call, plus an optional reference KL.
 
@@ -119,7 +128,7 @@ def unit_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torch.
     """
     loss, stats = grpo_kernels.chunk_grpo_loss(
         logp_new, logp_old, advantages, chunk_sizes, clip_low=clip_low, clip_high=clip_high,
-        kl_coef=kl_coef if logp_ref is None else 0.0)
+        kl_coef=kl_coef if logp_ref is None else 0.0, validate=validate)
     if logp_ref is not None and kl_coef > 0:
         diff = logp_ref.detach() - logp_new
         k3 = (torch.exp(diff) - diff - 1.0).mean()
@@ -130,29 +139,83 @@ def unit_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torch.
 
 @dataclass
 class UpdateRecord:
-    """What one iteration's update did, for logging (the loop adds its optimizer steps)."""
+    """What one iteration's update did, for logging (the loop adds its optimizer steps).
+
+    The losses, gradient norms and statistics stay on the device while the update runs
+    (`note_unit`, `note_grad_norm`) and are read back once, by `read` (a single device-to-host
+    copy), into the float fields below."""
 
     optimizer_steps: int = 0
     skipped_steps: int = 0  # optimizer steps dropped for a non-finite loss or gradient
-    losses: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)  # of the units with a finite loss
     grad_norms: list[float] = field(default_factory=list)
     chunk_stats: dict[int, dict[str, list[float]]] = field(default_factory=dict)
     rollout_logp_gap: float = 0.0  # max |sampler logp - training recomputation| (diagnostic)
+    _units: list[tuple[tuple[int, ...], torch.Tensor, dict]] = field(default_factory=list)
+    _norms: list[torch.Tensor] = field(default_factory=list)
+    _gaps: list[torch.Tensor] = field(default_factory=list)
 
-    def add_stats(self, chunks: tuple[int, ...], stats: dict) -> None:
-        """Per-chunk ratio and clip fraction of a unit (the loss's per-chunk stats), and the
-        approximate KLs, filed under each chunk the unit trains."""
-        for i, j in enumerate(chunks):
-            per_chunk = self.chunk_stats.setdefault(j, {})
-            if len(chunks) == 1:
-                values = {name: stats[name] for name in ("ratio_mean", "clip_frac", "approx_kl",
-                                                         "ref_kl") if name in stats}
-            else:
-                values = {"ratio_mean": stats["ratio_mean_per_chunk"][i],
-                          "clip_frac": stats["clip_frac_per_chunk"][i]}
-                values.update({n: stats[n] for n in ("approx_kl", "ref_kl") if n in stats})
-            for name, value in values.items():
-                per_chunk.setdefault(name, []).append(float(value.detach()))
+    def note_unit(self, chunks: tuple[int, ...], loss: torch.Tensor, stats: dict) -> None:
+        """A unit's loss and statistics (device tensors, read later; a non-finite loss drops
+        the unit's numbers then)."""
+        self._units.append((chunks, loss.detach(), stats))
+
+    def note_gap(self, gap: torch.Tensor) -> None:
+        """A unit's max |sampler logp - recomputed logp| (a device tensor)."""
+        self._gaps.append(gap.detach())
+
+    def note_grad_norm(self, norm: torch.Tensor) -> None:
+        """The gradient norm of a step that was taken (a device tensor)."""
+        self._norms.append(norm.detach())
+
+    def read(self) -> None:
+        """Copy everything noted since the last read to the host, in one transfer, and file it:
+        each finite unit's loss and its per-chunk ratio, clip fraction and KLs (`_stat_views`),
+        the gradient norms and the largest log-prob gap."""
+        units, self._units = self._units, []
+        norms, self._norms = self._norms, []
+        gaps, self._gaps = self._gaps, []
+        pending = [loss for _, loss, _ in units] + norms + gaps
+        stat_views = [_stat_views(chunks, stats) for chunks, _, stats in units]
+        pending += [v for views in stat_views for _, _, v in views]
+        if not pending:
+            return
+        values = iter(_to_host(pending))
+        losses = [next(values) for _ in units]
+        self.grad_norms.extend(next(values) for _ in norms)
+        for _ in gaps:  # Python's max, in the order the units ran
+            self.rollout_logp_gap = max(self.rollout_logp_gap, next(values))
+        for loss, views in zip(losses, stat_views, strict=True):
+            read = [(j, name, next(values)) for j, name, _ in views]
+            if not math.isfinite(loss):
+                continue
+            self.losses.append(loss)
+            for j, name, value in read:
+                self.chunk_stats.setdefault(j, {}).setdefault(name, []).append(value)
+
+
+def _stat_views(chunks: tuple[int, ...], stats: dict) -> list[tuple[int, str, torch.Tensor]]:
+    """(chunk, name, 0-d tensor) for a unit's per-chunk ratio and clip fraction (the loss's
+    per-chunk stats) and its approximate KLs, filed under each chunk the unit trains."""
+    views = []
+    for i, j in enumerate(chunks):
+        if len(chunks) == 1:
+            names = [n for n in ("ratio_mean", "clip_frac", "approx_kl", "ref_kl") if n in stats]
+            views.extend((j, n, stats[n]) for n in names)
+        else:
+            views.append((j, "ratio_mean", stats["ratio_mean_per_chunk"][i]))
+            views.append((j, "clip_frac", stats["clip_frac_per_chunk"][i]))
+            views.extend((j, n, stats[n]) for n in ("approx_kl", "ref_kl") if n in stats)
+    return views
+
+
+def _to_host(values: list[torch.Tensor]) -> list[float]:
+    """0-d tensors as Python floats, in one device-to-host copy (float64 holds every fp32 or
+    bf16 value exactly, so each float equals ``float(value)``)."""
+    device = values[0].device
+    flat = torch.stack([torch.as_tensor(v, device=device).detach().reshape(())
+                        .to(torch.float64) for v in values])
+    return flat.cpu().tolist()
 
 
 def row_weights(units: list[TrainUnit], step_after: list[bool]) -> list[float]:
@@ -170,34 +233,37 @@ def row_weights(units: list[TrainUnit], step_after: list[bool]) -> list[float]:
     return weights
 
 
-def _is_finite(t: torch.Tensor) -> bool:
-    return bool(torch.isfinite(t).all())
-
-
 def accumulate_gradients(policy, rollout: Rollout, prompt_embeds, advantages: torch.Tensor,
                          units: list[TrainUnit], chunk_steps: list[list[int]],
                          settings: LossSettings, record: UpdateRecord, *,
                          grad_sync: Callable[[bool], AbstractContextManager] | None = None
-                         ) -> Iterator[bool]:
+                         ) -> Iterator[torch.Tensor]:
     """Backward of every unit's loss (``settings.ppo_epochs`` passes); at each accumulation
     boundary (every ``settings.grad_accum`` units) yield whether a loss since the last one was
-    non-finite, and resume when the caller has stepped and zeroed the gradients.
+    non-finite (a 0-d bool tensor on the device: nothing is read back here), and resume when
+    the caller has stepped and zeroed the gradients. When the last unit is done, ``record``
+    reads its numbers back once (`UpdateRecord.read`).
 
     Each unit's loss (a mean over its rows) is weighted by its share of the rows of its
     optimizer step (`row_weights`), so a step's gradient is that of the mean over its rows,
     however the micro-batches split. chunk_steps[j] lists chunk j's transitions.
     ``grad_sync(boundary)``: a context around each unit's forward and backward that lets
     gradients synchronise across ranks only before a boundary (None: no ranks to sync).
+    A non-finite loss still runs its backward (under FSDP or DDP the backward holds
+    collectives every rank must join); its step's gradients are then non-finite and the caller
+    skips that step.
     """
     step_after = optimizer_step_after(len(units), settings.grad_accum)
     weights = row_weights(units, step_after)
     first_boundary = step_after.index(True)
+    sigma_max = float(rollout.sigmas[1])  # read once, not per unit
 
     def logprobs(unit: TrainUnit) -> torch.Tensor:
         return chunk_logprobs(policy, rollout, prompt_embeds, unit.rows,
                               unit_steps(unit, chunk_steps), kind=settings.kind, eta=settings.eta,
                               cfg_scale=settings.cfg_scale,
-                              mixed_precision=settings.mixed_precision)
+                              mixed_precision=settings.mixed_precision,
+                              validate=settings.validate, sigma_max=sigma_max)
 
     # Old log-probs of units trained after the policy may first move, taken before it moves.
     snapshot: dict[int, torch.Tensor] = {}
@@ -213,7 +279,7 @@ def accumulate_gradients(policy, rollout: Rollout, prompt_embeds, advantages: to
             finally:
                 policy.transformer.enable_adapters()
 
-    bad = False
+    bad = None
     for _epoch in range(settings.ppo_epochs):
         for k, unit in enumerate(units):
             # DDP decides in the forward whether the backward syncs: both go inside the context.
@@ -224,22 +290,17 @@ def accumulate_gradients(policy, rollout: Rollout, prompt_embeds, advantages: to
                     logp_old = snapshot[k]
                 else:
                     logp_old = logp_new.detach()
-                    gap = (logp_old - rollout.logps[unit.rows][:, steps]).abs()
-                    record.rollout_logp_gap = max(record.rollout_logp_gap, float(gap.max()))
+                    record.note_gap((logp_old - rollout.logps[unit.rows][:, steps]).abs().max())
                 loss, stats = unit_loss(logp_new, logp_old, advantages[unit.rows],
                                         [len(chunk_steps[j]) for j in unit.chunks],
                                         clip_low=settings.clip_low, clip_high=settings.clip_high,
-                                        kl_coef=settings.kl_coef, logp_ref=reference.get(k))
-                finite = _is_finite(loss)
-                # Across ranks every backward holds collectives, so a non-finite loss still
-                # runs it (its step is skipped on every rank); alone it is skipped.
-                if finite or grad_sync is not None:
-                    (loss * weights[k]).backward()
-            if finite:
-                record.losses.append(float(loss.detach()))
-                record.add_stats(unit.chunks, stats)
-            else:
-                bad = True
+                                        kl_coef=settings.kl_coef, logp_ref=reference.get(k),
+                                        validate=settings.validate)
+                (loss * weights[k]).backward()
+            record.note_unit(unit.chunks, loss, stats)
+            nonfinite = ~torch.isfinite(loss.detach())
+            bad = nonfinite if bad is None else bad | nonfinite
             if step_after[k]:
                 yield bad
-                bad = False
+                bad = None
+    record.read()

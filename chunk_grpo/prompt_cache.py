@@ -14,6 +14,10 @@ encoders reuses the files (only new prompts are encoded). Files are written atom
 temporary file, then a rename), so an interrupted run never leaves a half-written embedding.
 Then the text encoders are freed and `FluxPolicy.encode_prompts` reads the files.
 
+The ranks of a node split the encoding (`fill_prompt_cache`); ``python -m chunk_grpo.cache_prompts``
+fills the cache once before a run, which then finds every prompt there and never moves the text
+encoders to the GPU.
+
 Size on disk: max_sequence_length x 4096 values per prompt for FLUX.1-dev (4 MB in bf16 at 512
 tokens). ``text_encoders: cpu`` is the fallback that needs no disk: the encoders stay in CPU
 memory and only their embeddings move to the GPU.
@@ -25,6 +29,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -162,62 +167,112 @@ class PromptCache:
         return PromptEmbeds(torch.stack(embeds), torch.stack(pooled), text_ids)
 
 
-def build_prompt_cache(policy, prompts: list[str], prompt_cache_dir: str = "", *,
-                       batch_size: int = 16, writer: bool = True,
-                       wait: Callable[[], None] = lambda: None,
-                       progress: bool = True) -> PromptCache:
-    """Encode the prompts the cache lacks and write them (if ``writer``), then ``wait()`` (a
-    barrier: the other processes read what the writer wrote); returns the cache. Every process
-    then checks that all ``prompts`` are there."""
+@dataclass
+class CacheFill:
+    """What `fill_prompt_cache` did: the cache, the distinct prompts asked for, how many were
+    missing before, and how many of those this process encoded."""
+
+    cache: PromptCache
+    distinct: int
+    missing: int
+    encoded_here: int
+
+
+def fill_prompt_cache(policy, prompts: list[str], prompt_cache_dir: str = "", *,
+                      batch_size: int = 16, share: tuple[int, int] = (0, 1),
+                      agree: Callable[[], None] = lambda: None,
+                      wait: Callable[[], None] = lambda: None,
+                      encode_device: torch.device | str | None = None,
+                      progress: bool = True) -> CacheFill:
+    """Encode the prompts the cache lacks and write them, split across the processes that
+    share the work, then ``wait()`` and check that every prompt is there.
+
+    ``share`` = (index, count): the missing prompts are cut into batches of ``batch_size`` in
+    first-seen order, exactly as one process would, and process ``index`` encodes batches
+    index, index + count, ...: the same batches, so the same files as one process writes.
+    ``agree()`` (a barrier) runs after every process has listed what is missing and before
+    anyone writes, so all split the same list; ``wait()`` (a barrier) after writing, so each
+    then reads what the others wrote. ``encode_device``: where the text encoders move to
+    encode, only when this process has prompts to encode (None: where they are)."""
     cache = PromptCache.for_policy(policy, prompt_cache_dir)
-    if writer:
-        todo = cache.missing(prompts)
-        bar = tqdm(total=len(todo), unit="prompt", desc="caching prompt embeddings",
-                   disable=not progress or not todo)
-        try:
-            for start in range(0, len(todo), batch_size):
-                batch = todo[start:start + batch_size]
-                cache.write(batch, policy.encode_with_text_encoders(batch))
-                bar.update(len(batch))
-        except OSError as err:
-            raise PromptCacheError(f"cannot write the prompt cache {cache.directory}: "
-                                   f"{err.strerror or err}; choose a writable prompt_cache_dir "
-                                   f"with room for the embeddings, or text_encoders: cpu") from None
-        finally:
-            bar.close()
+    todo = cache.missing(prompts)
+    agree()
+    index, count = share
+    batches = [todo[start:start + batch_size] for start in range(0, len(todo), batch_size)]
+    mine = batches[index::count] if count > 0 else []
+    if mine and encode_device is not None:
+        for name, _ in _ENCODERS:
+            getattr(policy.pipeline, name).to(encode_device)
+    total = sum(len(batch) for batch in mine)
+    bar = tqdm(total=total, unit="prompt", desc="caching prompt embeddings",
+               disable=not progress or not total)
+    try:
+        for batch in mine:
+            cache.write(batch, policy.encode_with_text_encoders(batch))
+            bar.update(len(batch))
+    except OSError as err:
+        raise PromptCacheError(f"cannot write the prompt cache {cache.directory}: "
+                               f"{err.strerror or err}; choose a writable prompt_cache_dir "
+                               f"with room for the embeddings, or text_encoders: cpu") from None
+    finally:
+        bar.close()
     wait()
     missing = cache.missing(prompts)
     if missing:
         raise PromptCacheError(f"{len(missing)} prompt(s) (e.g. {_short(missing[0])}) are not in "
-                               f"{cache.directory} after the writing process filled it; give "
+                               f"{cache.directory} after the writing processes filled it; give "
                                f"every node a prompt_cache_dir it can read, or text_encoders: cpu")
-    return cache
+    return CacheFill(cache, len(dict.fromkeys(prompts)), len(todo), total)
+
+
+def build_prompt_cache(policy, prompts: list[str], prompt_cache_dir: str = "", *,
+                       batch_size: int = 16, writer: bool = True,
+                       wait: Callable[[], None] = lambda: None,
+                       progress: bool = True) -> PromptCache:
+    """One writer: encode the prompts the cache lacks and write them (if ``writer``), then
+    ``wait()`` (a barrier: the other processes read what the writer wrote); returns the cache.
+    Every process then checks that all ``prompts`` are there."""
+    return fill_prompt_cache(policy, prompts, prompt_cache_dir, batch_size=batch_size,
+                             share=(0, 1 if writer else 0), wait=wait, progress=progress).cache
+
+
+def run_prompts(policy, prompts: list[str]) -> list[str]:
+    """Everything a run encodes: its prompts and the unconditional prompt."""
+    return [*prompts, policy.defaults.negative_prompt]
+
+
+def node_share(info: D.DistInfo) -> tuple[int, int]:
+    """This rank's share of the encoding: the ranks of a node split the work (each node fills
+    its cache, so a node-local prompt_cache_dir works; on a shared one the nodes write the same
+    files, each renamed into place atomically)."""
+    return info.local_rank, D.local_world_size(info)
 
 
 def setup_text_encoders(policy, mode: str, prompts: list[str], prompt_cache_dir: str,
                         info: D.DistInfo, *, batch_size: int = 16, progress: bool = True) -> None:
     """Apply ``text_encoders``: "keep" and "cpu" change nothing here (`text_encoder_device`
-    placed them at load time); "cache" embeds ``prompts`` and the unconditional prompt once
-    (local rank 0 of each node writes, the others wait at a barrier and read), then frees the
-    text encoders."""
+    placed them at load time); "cache" embeds ``prompts`` and the unconditional prompt once,
+    split across the node's ranks (`node_share`), every rank then reading the whole cache, and
+    frees the text encoders. They were loaded on the CPU: they move to the device only on a
+    rank with prompts to encode, so a complete cache (`python -m chunk_grpo.cache_prompts`
+    before the run) never puts them on the GPU."""
     if mode in ("keep", "cpu"):
         return
     if mode != "cache":
         raise ConfigError(f"text_encoders must be one of keep, cache, cpu; got {mode!r}")
-    everything = [*prompts, policy.defaults.negative_prompt]
-    # One writer per node: correct for a shared and for a node-local prompt_cache_dir alike
-    # (the files are identical and renamed into place atomically).
-    policy.prompt_cache = build_prompt_cache(
-        policy, everything, prompt_cache_dir, batch_size=batch_size,
-        writer=info.local_rank == 0, wait=lambda: D.barrier(info),
-        progress=progress and info.is_main)
+    fill = fill_prompt_cache(
+        policy, run_prompts(policy, prompts), prompt_cache_dir, batch_size=batch_size,
+        share=node_share(info), agree=lambda: D.barrier(info), wait=lambda: D.barrier(info),
+        encode_device=info.device, progress=progress and info.is_main)
+    policy.prompt_cache = fill.cache
     policy.free_text_encoders()
 
 
 def text_encoder_device(mode: str, device: torch.device) -> torch.device:
-    """Where to load the text encoders: the CPU for ``text_encoders: cpu``, else ``device``
-    (``cache`` encodes there once, then frees them)."""
-    return torch.device("cpu") if mode == "cpu" else device
+    """Where to load the text encoders: the CPU for ``text_encoders: cpu`` and ``cache`` (the
+    cache's key is computed there; they move to ``device`` only to encode missing prompts),
+    else ``device``."""
+    return torch.device("cpu") if mode in ("cpu", "cache") else device
 
 
 def _short(prompt: str, limit: int = 60) -> str:

@@ -55,18 +55,20 @@ def autocast_context(device: torch.device, mixed_precision: str):
 
 def sde_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
              *, kind: str, eta: float, sigma_max: float, generator: torch.Generator | None,
-             noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+             noise: torch.Tensor | None = None, validate: bool = True
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One stochastic step (x_next, logp [B]); the deterministic last cps step has no logp.
 
     ``noise`` (x's shape) is the step's standard normal draw; None draws it from ``generator``.
+    ``validate``: the kernels' value checks (they read values back to the host).
     """
     if kind in ("cps", "cps_mse") and bool((sigma_next == 0).any()):
-        return grpo_kernels.ode_step(x, v, sigma, sigma_next), None
+        return grpo_kernels.ode_step(x, v, sigma, sigma_next, validate=validate), None
     if noise is None:
         device = generator.device if generator is not None else x.device
         noise = torch.randn(x.shape, generator=generator, dtype=torch.float32, device=device)
     return grpo_kernels.sde_step_sample(x, v, noise.to(x), sigma, sigma_next, eta=eta,
-                                        kind=kind, sigma_max=sigma_max)
+                                        kind=kind, sigma_max=sigma_max, validate=validate)
 
 
 def sde_steps(num_steps: int, sde_window: int = 0) -> int:
@@ -97,7 +99,7 @@ def denoise(policy, x: torch.Tensor, embeds, sigmas: torch.Tensor, *, sampler: s
             eta: float, cfg_scale: float, generator: torch.Generator | None = None,
             mixed_precision: str = "no", keep: bool = False, sde_window: int = 0,
             step_noise: torch.Tensor | None = None, sigma_max: float | None = None,
-            hybrid: HybridBase | None = None) -> Denoised:
+            hybrid: HybridBase | None = None, validate: bool = True) -> Denoised:
     """Run every step of ``sigmas`` on x with ``policy`` (``hybrid.policy`` from its step on).
 
     With an SDE ``sampler`` and ``sde_window`` k > 0, steps t >= k are ODE steps.
@@ -105,7 +107,8 @@ def denoise(policy, x: torch.Tensor, embeds, sigmas: torch.Tensor, *, sampler: s
     (see `chunk_grpo.noise.step_noise`); None draws each step's noise from ``generator`` as it
     comes.
     ``sigma_max``: the schedule's s_1 for the flow kind (default sigmas[1]; give it when
-    ``sigmas`` is the tail of a longer schedule). ``keep`` keeps every x_t.
+    ``sigmas`` is the tail of a longer schedule). ``keep`` keeps every x_t. ``validate``: the
+    kernels' value checks (host reads; a caller with checked settings turns them off).
     """
     steps = sigmas.numel() - 1
     b = x.shape[0]
@@ -123,12 +126,12 @@ def denoise(policy, x: torch.Tensor, embeds, sigmas: torch.Tensor, *, sampler: s
             v = model.velocity(x, s, model_embeds, cfg_scale=cfg_scale)
         x0 = x - s.view(-1, *([1] * (x.dim() - 1))) * v.float()
         if sampler == "ode" or (sde_window and t >= sde_window):
-            x = grpo_kernels.ode_step(x, v.to(x.dtype), s, s_next)
+            x = grpo_kernels.ode_step(x, v.to(x.dtype), s, s_next, validate=validate)
             logp = None
         else:
             noise = None if step_noise is None else step_noise[t].to(x)
             x, logp = sde_step(x, v, s, s_next, kind=sampler, eta=eta, sigma_max=sigma_max,
-                               generator=generator, noise=noise)
+                               generator=generator, noise=noise, validate=validate)
         if keep:
             traj.append(x)
         logps.append(logp)
@@ -195,8 +198,8 @@ def sample_rollouts(policy, prompts: list[str], *, group_size: int, num_steps: i
                     shared_noise: bool = False, antithetic_noise: bool = False,
                     decode: str = "final",
                     mixed_precision: str = "no", sde_window: int = 0,
-                    on_batch: Callable[[torch.Tensor, list[str], int], None] | None = None
-                    ) -> Rollout:
+                    on_batch: Callable[[torch.Tensor, list[str], int], None] | None = None,
+                    validate: bool = True) -> Rollout:
     """G trajectories per prompt with the SDE sampler, keeping x_t for every t and the log-probs.
 
     ``sde_window`` k > 0 samples only the first k steps stochastically and the rest with the
@@ -217,6 +220,7 @@ def sample_rollouts(policy, prompts: list[str], *, group_size: int, num_steps: i
     ``batch_size`` rows at a time; prompts are encoded once. ``on_batch(images, row_prompts,
     index)`` is called with each batch's decoded images as soon as they exist (the trainer
     scores them on another thread while the next batch is sampled); it must not modify them.
+    ``validate``: the kernels' value checks (`denoise`).
     """
     setup = prepare_rollout(policy, prompts, group_size=group_size, num_steps=num_steps,
                             shift=shift, kind=kind, cfg_scale=cfg_scale, decode=decode,
@@ -239,7 +243,8 @@ def sample_rollouts(policy, prompts: list[str], *, group_size: int, num_steps: i
         out = denoise(policy, noise[start:start + batch_size].float(),
                       setup.prompt_embeds.index(idx), setup.sigmas, sampler=kind, eta=eta,
                       cfg_scale=setup.cfg_scale, mixed_precision=mixed_precision, keep=True,
-                      sde_window=sde_window, step_noise=steps_noise[:, start:start + batch_size])
+                      sde_window=sde_window, step_noise=steps_noise[:, start:start + batch_size],
+                      validate=validate)
         all_latents.append(out.latents)
         all_logps.append(out.logps)
         images.append(decode_images(policy, out, decode))

@@ -48,6 +48,7 @@ from chunk_grpo.checkpoint import (
     checkpoint_problem,
     find_resumable,
     latest_checkpoint,
+    print_note,
     publish_checkpoint,
     rng_state,
     safe_load,
@@ -237,7 +238,7 @@ def load_sharded_checkpoint(path: str | Path, model: torch.nn.Module,
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"], options=_LOAD_TRAINABLE)
     if restore_rng:
-        set_rng_state(trainer["rng"])
+        print_note(set_rng_state(trainer["rng"]))
     return trainer
 
 
@@ -377,11 +378,14 @@ def export_full_model(pipeline, model: torch.nn.Module, out_dir: str | Path, *, 
                       dtype: torch.dtype = torch.bfloat16) -> Path:
     """final_model/: the trained transformer gathered to rank 0's CPU, LoRA merged, saved in
     ``dtype`` (bf16 safetensors by default) with the rest of ``pipeline`` in diffusers layout.
-    Every rank calls this; rank 0 writes."""
+    Every rank calls this; rank 0 writes. The GPU holds one full tensor at a time (gathered,
+    then copied to the CPU); rank 0's CPU the whole trained state once (cast in place)."""
     full = gather_full_state(model)
     out_dir = Path(out_dir)
     if _rank() == 0:
-        export_pipeline(pipeline, plain_transformer(model, full), out_dir, defaults=defaults,
-                        dtype=dtype)
+        plain = plain_transformer(model, full)
+        full.clear()  # the plain copy holds the tensors: casting it frees each fp32 one
+        export_pipeline(pipeline, plain, out_dir, defaults=defaults, dtype=dtype,
+                        copy_weights=False)
     _barrier()
     return out_dir

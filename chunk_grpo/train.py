@@ -19,15 +19,17 @@ the branches at several strides (`chunk_grpo.branching`), step 4 sums the finish
 and step 5 trains that one step.
 The run is built by `chunk_grpo.trainer_setup` and evaluated by `chunk_grpo.trainer_eval`.
 Under torchrun the transformer is sharded with FSDP2 or wrapped in DDP (`parallelism`), the
-gradients sync only at accumulation boundaries, and several ranks write sharded checkpoints
-(`chunk_grpo.trainer_checkpoint`). The hybrid-evaluation base comes from the policy's own
-weights (`chunk_grpo.hybrid_base`).
+DDP's gradients sync only at accumulation boundaries, and several ranks write sharded checkpoints
+(`chunk_grpo.trainer_checkpoint`). Under FSDP the transformer loads straight into its shards and
+gradients are reduce-scattered every micro-batch (`chunk_grpo.sharded_load`,
+`chunk_grpo.parallelize`). The hybrid-evaluation base comes from the policy's own weights
+(`chunk_grpo.hybrid_base`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +56,7 @@ from chunk_grpo.errors import interruption
 from chunk_grpo.memory_plan import check_plan
 from chunk_grpo.metrics import reward_captions, save_image_grid
 from chunk_grpo.parallelize import any_rank, clip_grad_norm, sync_gradients
+from chunk_grpo.phase_memory import PhaseMemory, active_phase, current
 from chunk_grpo.policy_update import TrainUnit, UpdateRecord, accumulate_gradients, plan_units
 from chunk_grpo.precision import resolve_mixed_precision
 from chunk_grpo.prompt_cache import setup_text_encoders
@@ -73,11 +76,13 @@ from chunk_grpo.trainer_checkpoint import (
 )
 from chunk_grpo.trainer_eval import evaluate, finish_run, finished_complete
 from chunk_grpo.trainer_setup import (
+    PolicySetup,
     PromptSets,
     Trainer,
+    build_policy,
     build_trainer,
     check_prompt_sets,
-    load_checked_policy,
+    check_reward_name,
     read_prompt_sets,
     resolve_reward,
 )
@@ -100,7 +105,8 @@ class _PhaseTimer:
     @contextlib.contextmanager
     def __call__(self, name: str):
         start = time.perf_counter()
-        yield
+        with active_phase(name):  # its peak memory too, when the run records phases
+            yield
         self.seconds[f"time/{name}"] = time.perf_counter() - start
 
 
@@ -140,7 +146,8 @@ def collect_batch(tr: Trainer, step: int, timer: _PhaseTimer | None = None, *,
                   kind=sampling.sde, eta=sampling.eta, cfg_scale=tr.cfg_scale, seed=seed,
                   step=step, row_offset=info.rank * len(prompts) * sampling.group_size,
                   batch_size=sampling.batch_size, antithetic_noise=sampling.antithetic_noise,
-                  decode=sampling.decode, mixed_precision=cfg.model.mixed_precision)
+                  decode=sampling.decode, mixed_precision=cfg.model.mixed_precision,
+                  validate=False)  # the config is checked: the kernels skip their host reads
     with RolloutScorer(tr.reward_fn, overlap=cfg.reward.overlap,
                        timeout=cfg.reward.timeout) as scorer:
         with timer("rollout"):
@@ -208,14 +215,16 @@ def collect_batch(tr: Trainer, step: int, timer: _PhaseTimer | None = None, *,
     return Batch(rollout, advantages.to(info.device), units, metrics)
 
 
-def optimizer_step(tr: Trainer, nonfinite: bool, record: UpdateRecord) -> None:
+def optimizer_step(tr: Trainer, nonfinite: torch.Tensor | bool, record: UpdateRecord) -> None:
     """The step at an accumulation boundary (the gradients are already averaged across ranks
     by DDP or FSDP): clip their global norm, step the optimizer, the schedule and the EMA, or
     skip the step when a loss or the gradient is NaN/Inf on any rank (all ranks alike), and
-    zero the gradients."""
-    nonfinite = any_rank(nonfinite, tr.info.device)
+    zero the gradients. The skip decision is the step's one host read: the loss flag and the
+    norm's finiteness, combined on the device and across ranks in one all-reduce."""
     norm = clip_grad_norm(tr.params, tr.cfg.optim.max_grad_norm)
-    if nonfinite or not math.isfinite(norm):
+    bad = torch.as_tensor(nonfinite, device=tr.info.device) | ~torch.isfinite(
+        norm.to(tr.info.device))
+    if any_rank(bad, tr.info.device):
         record.skipped_steps += 1
     else:
         tr.optimizer.step()
@@ -223,7 +232,7 @@ def optimizer_step(tr: Trainer, nonfinite: bool, record: UpdateRecord) -> None:
         if tr.ema is not None:
             tr.ema.update()
         record.optimizer_steps += 1
-        record.grad_norms.append(norm)
+        record.note_grad_norm(norm)
     tr.optimizer.zero_grad(set_to_none=True)
 
 
@@ -302,16 +311,28 @@ def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = F
     # Before the run directory: a bad prompt file, a misspelt or failing reward or a bad model
     # path leaves nothing behind.
     prompt_sets = read_prompt_sets(cfg)
-    info = D.init_distributed(cfg.run.device)
+    check_reward_name(cfg)
+    info = D.init_for_config(cfg)
     if info.device.type == "cuda":  # the memory plan, before a weight is loaded
         check_plan(cfg, info.world_size, torch.cuda.get_device_properties(info.device).total_memory)
-    reward_fn = resolve_reward(cfg, info.device)
-    policy = load_checked_policy(cfg, info.device)
-    check_prompt_sets(prompt_sets, policy, reward_fn)
+    with PhaseMemory(info.device).activate() as memory:  # each phase's peak, for phases.json
+        return _run(cfg, info, prompt_sets, memory, run_dir, resume, on_step_end,
+                    trust_checkpoint)
+
+
+def _run(cfg: TrainConfig, info: D.DistInfo, prompt_sets: PromptSets, memory: PhaseMemory,
+         run_dir: str | Path | None, resume: bool, on_step_end,
+         trust_checkpoint: bool = False) -> Path:
+    with memory.phase("load"):
+        # The policy first (under FSDP straight into its shards), then the reward beside it.
+        setup = build_policy(cfg, info)
+        reward_fn = resolve_reward(cfg, info.device)
+    check_prompt_sets(prompt_sets, setup.policy, reward_fn)
     # text_encoders: cache -> every prompt embedded once (on disk), the encoders freed
-    setup_text_encoders(policy, cfg.model.text_encoders,
-                        [p for _, s in prompt_sets.items() for p in s.prompts],
-                        cfg.model.prompt_cache_dir, info, progress=cfg.run.progress)
+    with memory.phase("prompt_cache"):
+        setup_text_encoders(setup.policy, cfg.model.text_encoders,
+                            [p for _, s in prompt_sets.items() for p in s.prompts],
+                            cfg.model.prompt_cache_dir, info, progress=cfg.run.progress)
     run_dir = Path(run_dir or cfg.run.output_dir or _default_run_dir())
     lock = RunLock(run_dir)
     if info.is_main:
@@ -321,7 +342,7 @@ def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = F
         _make_run_dir(run_dir)
         lock.acquire()  # a second run on this directory stops here, before writing anything
     try:
-        started = _start_or_resume(cfg, run_dir, info, resume, prompt_sets, reward_fn, policy,
+        started = _start_or_resume(cfg, run_dir, info, resume, prompt_sets, reward_fn, setup,
                                    trust_checkpoint)
         if started is None:  # a finished run, nothing asked of it: nothing changes
             return run_dir
@@ -346,8 +367,8 @@ def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = F
 
 
 def _start_or_resume(cfg: TrainConfig, run_dir: Path, info: D.DistInfo, resume: bool,
-                     prompt_sets: PromptSets, reward_fn, policy, trust_checkpoint: bool = False
-                     ) -> tuple[Trainer, int, int] | None:
+                     prompt_sets: PromptSets, reward_fn, setup: PolicySetup,
+                     trust_checkpoint: bool = False) -> tuple[Trainer, int, int] | None:
     """The trainer, fresh or restored from the newest intact checkpoint (either format, saved
     at any world size); (trainer, first step, bad streak), or None for a finished run that is
     left as it is."""
@@ -369,7 +390,7 @@ def _start_or_resume(cfg: TrainConfig, run_dir: Path, info: D.DistInfo, resume: 
     tr = build_trainer(cfg, run_dir, info, prompt_sets=prompt_sets,
                        layout=ChunkLayout(saved.layout) if saved else None,
                        chunk_weights=saved.chunk_weights if saved else None,
-                       reward_fn=reward_fn, policy=policy)
+                       reward_fn=reward_fn, setup=setup)
     if saved is None:
         return tr, 0, 0
     restore_run(tr, saved)
@@ -434,13 +455,14 @@ def _train_loop(tr: Trainer, start: int, bad_streak: int, on_step_end) -> None:
                 cfg.run.max_minutes > 0 and time.time() - t_start > 60 * cfg.run.max_minutes)
             if (cfg.eval.every and (step + 1) % cfg.eval.every == 0) or done:
                 t = time.perf_counter()
-                metrics.update(evaluate(tr, step + 1, final=done))
+                with active_phase("eval"):
+                    metrics.update(evaluate(tr, step + 1, final=done))
                 metrics["time/eval"] = time.perf_counter() - t
         except RewardError as err:  # one line on the command line, naming what is kept
             raise type(err)(f"{err}; the run stopped at step {step + 1}, "
                             f"{_kept_checkpoint(run_dir)}") from err
         if (step + 1) % cfg.run.log_every == 0 or done or not finite:
-            tr.logger.log(step + 1, metrics)
+            tr.logger.log(step + 1, {**metrics, **(current().metrics() if current() else {})})
         bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}")
         if bad_streak >= cfg.run.max_bad_steps:
             raise TrainingDiverged(
@@ -457,6 +479,7 @@ def _train_loop(tr: Trainer, start: int, bad_streak: int, on_step_end) -> None:
     _check_trained(tr, last)
     # the summary, then final_model/ (every rank: a sharded model is gathered for rank 0)
     text = finish_run(tr, last, last - start, (time.time() - t_start) / 60)
+    save_phase_memory(tr)
     if info.is_main and cfg.run.progress:
         print(text, flush=True)
 
@@ -492,7 +515,8 @@ def _checkpoint(tr: Trainer, step: int, bad_streak: int) -> None:
     """Checkpoint ``step`` on every rank; NaN/Inf weights are never saved: the run stops and the
     last checkpoint on disk stays the one to resume."""
     try:
-        save_run_checkpoint(tr, step, bad_streak)
+        with active_phase("checkpoint"):
+            save_run_checkpoint(tr, step, bad_streak)
     except NonFiniteWeights as err:
         last = latest_checkpoint(tr.run_dir)
         kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written"
@@ -500,6 +524,21 @@ def _checkpoint(tr: Trainer, step: int, bad_streak: int) -> None:
             f"{err} hold NaN/Inf at step {step}; they are not saved and {kept}. Lower lr or "
             f"max_grad_norm and resume or restart.") from None
     D.barrier(tr.info)
+
+
+def save_phase_memory(tr: Trainer) -> None:
+    """phases.json in the run directory: every rank's peak memory and seconds per phase
+    (`chunk_grpo.phase_memory`), gathered on rank 0."""
+    memory = current()
+    if memory is None:
+        return
+    report = dict(memory.report(), rank=tr.info.rank)
+    reports = [report]
+    if tr.info.world_size > 1:
+        reports = [None] * tr.info.world_size
+        torch.distributed.all_gather_object(reports, report)
+    if tr.info.is_main:
+        (tr.run_dir / "phases.json").write_text(json.dumps({"ranks": reports}, indent=1) + "\n")
 
 
 def _kept_checkpoint(run_dir: Path) -> str:

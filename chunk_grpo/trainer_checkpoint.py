@@ -18,12 +18,13 @@ from chunk_grpo.checkpoint import (
     STATE,
     CheckpointError,
     nonfinite_tensors,
+    print_note,
     safe_load,
     save_checkpoint,
     set_rng_state,
 )
 from chunk_grpo.config import PATHS, ConfigError, TrainConfig, build_config
-from chunk_grpo.parallelize import all_finite
+from chunk_grpo.parallelize import all_finite, is_sharded
 from chunk_grpo.sharded_checkpoint import (
     TRAINER,
     is_sharded_checkpoint,
@@ -55,7 +56,7 @@ def save_run_checkpoint(tr: Trainer, step: int, bad_streak: int) -> None:
     """Checkpoint ``step`` (every rank calls this). NaN/Inf weights are never saved: the last
     checkpoint on disk stays the one to resume (NonFiniteWeights)."""
     cfg = tr.cfg
-    if tr.info.world_size == 1:
+    if tr.info.world_size == 1 and not is_sharded(tr.module):
         state = checkpoint_state(tr, bad_streak)
         bad = nonfinite_tensors(state["model"])
         if bad:
@@ -93,7 +94,7 @@ def find_run_checkpoint(run_dir: Path, *, trust: bool = False) -> Resume:
     sharded = is_sharded_checkpoint(path)
     state = safe_load(path / (TRAINER if sharded else STATE))
     if not sharded:
-        set_rng_state(state["rng"])
+        print_note(set_rng_state(state["rng"]))
     return Resume(path=path, step=state["step"], bad_streak=state["bad_streak"],
                   layout=tuple(state["chunk_layout"]), chunk_weights=state["chunk_weights"],
                   state=state)
@@ -174,7 +175,7 @@ def restore_run(tr: Trainer, resume: Resume) -> None:
         tr.scheduler.load_state_dict(resume.state["scheduler"])
         tr.counts.update(resume.state.get("counts", {}))
         return
-    if tr.info.world_size > 1 and tr.cfg.parallel.mode == "fsdp":
+    if is_sharded(tr.module):
         raise CheckpointError(f"{resume.path} was written by one process; resume it on one "
                               f"process or with parallelism: ddp (a sharded checkpoint, written "
                               f"by a multi-rank run, resumes at any world size)")

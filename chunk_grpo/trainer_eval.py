@@ -23,6 +23,8 @@ from chunk_grpo import distributed as D
 from chunk_grpo.checkpoint import DiskFullError, latest_checkpoint
 from chunk_grpo.evaluation import EvalResult, evaluate_policy
 from chunk_grpo.metrics import reward_captions, save_image_grid
+from chunk_grpo.parallelize import is_sharded
+from chunk_grpo.phase_memory import active_phase
 from chunk_grpo.policy_setup import export_pipeline
 from chunk_grpo.sharded_checkpoint import export_full_model
 from chunk_grpo.stats import mean_ci95
@@ -144,7 +146,8 @@ def finish_run(tr: Trainer, step: int, iterations: int, minutes: float) -> str |
     text = None
     if not record["summary"]:
         if "eval" not in tr.final_evals:  # a resume of a run killed before its summary
-            evaluate(tr, step, final=True)
+            with active_phase("eval"):
+                evaluate(tr, step, final=True)
         if is_main:
             text = finish_summary(tr, iterations, minutes, run_dir / "final_model",
                                   updates=tr.counts)
@@ -154,7 +157,8 @@ def finish_run(tr: Trainer, step: int, iterations: int, minutes: float) -> str |
         text = (run_dir / "summary.txt").read_text()
     if not (record["final_model"] and (run_dir / "final_model").is_dir()):
         try:
-            export_final(tr)
+            with active_phase("export"):
+                export_final(tr)
         except OSError as err:
             if err.errno != errno.ENOSPC:
                 raise
@@ -190,14 +194,14 @@ def export_final(tr: Trainer) -> Path:
     """final_model/: a diffusers directory (EMA weights if enabled, LoRA merged), the
     transformer in bf16 where the frozen weights are bf16 (CUDA by default), else fp32. Every
     rank calls this: a sharded transformer is gathered onto rank 0's CPU, which writes."""
-    if not tr.policy.has_text_encoders:  # freed after caching: the export needs them
-        tr.policy.reload_text_encoders("cpu")
+    if not tr.policy.has_text_encoders and tr.info.is_main:  # freed after caching: rank 0
+        tr.policy.reload_text_encoders("cpu")  # writes the pipeline, it alone needs them
     if tr.ema is not None:
         tr.ema.swap()
     dtype = resolve_weights_dtype(tr.cfg.model.weights_dtype, tr.info.device)
     out = tr.run_dir / "final_model"
     try:
-        if tr.info.world_size > 1:
+        if tr.info.world_size > 1 or is_sharded(tr.module):
             return export_full_model(tr.policy.pipeline, tr.module, out,
                                      defaults=tr.policy.defaults, dtype=dtype)
         return export_pipeline(tr.policy.pipeline, tr.policy.transformer, out,

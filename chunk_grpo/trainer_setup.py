@@ -2,9 +2,10 @@
 the policy, the reward, the chunk layout, the optimizer and its schedule, and the `Trainer` that
 holds them. Also what a checkpoint saves of a trainer and how it is restored.
 
-Order matters for error reporting (`chunk_grpo.train.run`): the prompt sets are read first, then
-the reward and the model load and are checked against each other, all before the run directory
-exists, so a bad input leaves nothing behind.
+Order matters for error reporting and memory (`chunk_grpo.train.run`): the prompt sets are read
+first, then the policy loads (under FSDP straight into its shards, `build_policy`), then the
+reward, and they are checked against each other, all before the run directory exists, so a bad
+input leaves nothing behind; the temporal-dynamics profile runs on the parallelized policy.
 """
 
 from __future__ import annotations
@@ -13,21 +14,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from chunk_grpo import distributed as D
 from chunk_grpo.chunking import ChunkLayout, parse_chunk_spec
 from chunk_grpo.config import ConfigError, TrainConfig
-from chunk_grpo.dynamics import measure_dynamics, propose_chunks, save_profile
+from chunk_grpo.dynamics import propose_chunks, save_profile, shared_dynamics
 from chunk_grpo.hybrid_base import FrozenTransformerBase, hybrid_base
 from chunk_grpo.metrics import MetricsLogger
 from chunk_grpo.models import EMBEDDED_MODEL, FluxPolicy
+from chunk_grpo.models.loading import resolve_pipeline_dir
 from chunk_grpo.models.sampling_defaults import apply_sampling_size
 from chunk_grpo.optim import EMA, build_lr_scheduler, build_optimizer
 from chunk_grpo.parallelize import (
     ParallelismError,
     parallelize_transformer,
-    trainable_parameters,
+    unwrapped,
 )
+from chunk_grpo.phase_memory import active_phase
 from chunk_grpo.policy_setup import (
     load_trainable_state_dict,
     prepare_transformer,
@@ -38,12 +42,13 @@ from chunk_grpo.precision import resolve_mixed_precision
 from chunk_grpo.prompt_cache import text_encoder_device
 from chunk_grpo.prompts import PromptSet, check_prompts, load_prompt_set
 from chunk_grpo.rewards import build_reward, get_reward
-from chunk_grpo.rewards.mix import RewardMix, as_reward_mix
+from chunk_grpo.rewards.mix import RewardMix, as_reward_mix, check_reward_spec
 from chunk_grpo.rewards.outputs import RewardError
 from chunk_grpo.sampling_options import resolve_cfg_scale
 from chunk_grpo.schedule import dynamic_shift
 from chunk_grpo.scoring import probe_reward
-from chunk_grpo.weights_dtype import load_dtypes, resolve_weights_dtype
+from chunk_grpo.sharded_load import fill_from_checkpoint, meta_transformer
+from chunk_grpo.weights_dtype import WEIGHTS_DTYPES, load_dtypes, resolve_weights_dtype
 
 
 @dataclass
@@ -103,7 +108,8 @@ class Trainer:
                             clip_low=loss.clip_low, clip_high=loss.clip_high,
                             kl_coef=loss.kl_coef, kl_ref=loss.kl_ref,
                             mixed_precision=self.cfg.model.mixed_precision,
-                            ppo_epochs=optim.ppo_epochs, grad_accum=optim.grad_accum)
+                            ppo_epochs=optim.ppo_epochs, grad_accum=optim.grad_accum,
+                            validate=False)  # the config is checked: no host syncs
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -135,6 +141,15 @@ def check_prompt_sets(prompt_sets: PromptSets, policy: FluxPolicy, reward_fn: Re
     probe_reward(reward_fn, policy.height, policy.width, prompt_sets.train.prompts)
 
 
+def check_reward_name(cfg: TrainConfig) -> None:
+    """A ConfigError now, before any model loads, when the configured reward (or a part of a
+    mix) names no reward; the reward itself is built after the policy (`resolve_reward`)."""
+    try:
+        check_reward_spec(cfg.reward.name)
+    except ValueError as err:
+        raise ConfigError(f"reward: {err}") from err
+
+
 def resolve_reward(cfg: TrainConfig, device: torch.device | None = None) -> RewardMix:
     """The configured reward (or mix) on ``reward_device`` (default: ``device``, the trainer's),
     in bf16 on CUDA and fp32 elsewhere; or a ConfigError that says how to name one."""
@@ -163,13 +178,16 @@ def model_path(spec: str) -> str:
     return str(EMBEDDED_MODEL) if spec == "embedded" else spec
 
 
-def load_policy(cfg: TrainConfig, device: torch.device) -> FluxPolicy:
-    """The model as a FluxPolicy, at the configured image size."""
+def load_policy(cfg: TrainConfig, device: torch.device,
+                transformer: torch.nn.Module | None = None) -> FluxPolicy:
+    """The model as a FluxPolicy, at the configured image size (``transformer``: one to use
+    instead of loading it, see `FluxPolicy.from_pretrained`)."""
     # Frozen parts in weights_dtype, the text encoders where `text_encoders` puts them.
     dtype, frozen_dtype = load_dtypes(cfg.model.weights_dtype, device, cfg.model.lora_rank)
     policy = FluxPolicy.from_pretrained(
         model_path(cfg.model.name), device=device, dtype=dtype, frozen_dtype=frozen_dtype,
-        text_encoder_device=text_encoder_device(cfg.model.text_encoders, device))
+        text_encoder_device=text_encoder_device(cfg.model.text_encoders, device),
+        transformer=transformer)
     try:
         apply_sampling_size(policy, cfg.model.height, cfg.model.width,
                             source=model_path(cfg.model.name),
@@ -181,12 +199,12 @@ def load_policy(cfg: TrainConfig, device: torch.device) -> FluxPolicy:
     return policy
 
 
-def load_checked_policy(cfg: TrainConfig, device: torch.device) -> FluxPolicy:
+def load_checked_policy(cfg: TrainConfig, device: torch.device,
+                        transformer: torch.nn.Module | None = None) -> FluxPolicy:
     """The policy, once the config is known to suit it (checked here, not at the first
-    evaluation, which may come only at the end of the run). Seeds torch first: what follows
-    (the profile, LoRA's initialisation) draws from the seeded generator."""
+    evaluation, which may come only at the end of the run). Seeds torch first."""
     torch.manual_seed(cfg.run.seed)
-    policy = load_policy(cfg, device)
+    policy = load_policy(cfg, device, transformer)
     try:
         policy.latent_grid()
     except ValueError as err:
@@ -201,24 +219,76 @@ def load_checked_policy(cfg: TrainConfig, device: torch.device) -> FluxPolicy:
     return policy
 
 
+@dataclass
+class PolicySetup:
+    """The policy ready to train: prepared, spread over the ranks, with its hybrid base."""
+
+    policy: FluxPolicy
+    module: torch.nn.Module  # what trains: the transformer, FSDP-sharded or DDP-wrapped
+    base: object = None  # the base for hybrid evaluation, None without it
+
+
+def sharded_loading(cfg: TrainConfig) -> bool:
+    """Whether the transformer loads straight into FSDP shards (`chunk_grpo.sharded_load`):
+    under parallel.mode fsdp with a process group; otherwise it loads whole, as before."""
+    return cfg.parallel.mode == "fsdp" and dist.is_initialized()
+
+
+def build_policy(cfg: TrainConfig, info: D.DistInfo) -> PolicySetup:
+    """Load, check, prepare (LoRA, checkpointing, attention) and parallelize the policy, and
+    build its hybrid base. Under FSDP nothing is whole on any device: meta -> prepare -> shard
+    -> fill from the checkpoint -> the base sharded the same way. Otherwise: load -> prepare ->
+    base (a frozen copy) -> DDP or nothing."""
+    model = cfg.model
+    sharded = sharded_loading(cfg)
+    meta = None
+    if sharded:
+        model_dir, _ = resolve_pipeline_dir(model_path(model.name))
+        meta = meta_transformer(model_dir, load_dtypes(model.weights_dtype, info.device,
+                                                       model.lora_rank)[0])
+    policy = load_checked_policy(cfg, info.device, meta)
+    prepare_transformer(
+        policy.transformer, lora_rank=model.lora_rank, lora_alpha=model.lora_alpha,
+        lora_targets=model.lora_targets, gradient_checkpointing=model.gradient_checkpointing,
+        attention_backend=model.attention_backend, lora_seed=cfg.run.seed)
+    weights_dtype = resolve_weights_dtype(model.weights_dtype, info.device)
+    if not sharded:
+        # the base from the policy's own weights, before any step
+        base = hybrid_base(policy, weights_dtype) if cfg.eval.hybrid_steps else None
+        return PolicySetup(policy, parallelize_policy(cfg, policy, base, info), base)
+    module = parallelize_policy(cfg, policy, None, info)
+    # cpu_offload: FSDP2 keeps the shards in host memory and expects them there
+    fill_from_checkpoint(policy.transformer, model_dir,
+                         device="cpu" if cfg.parallel.cpu_offload else info.device,
+                         lora_seed=cfg.run.seed)
+    base = None
+    if cfg.eval.hybrid_steps:
+        base = hybrid_base(policy, weights_dtype,
+                           shard=lambda m: parallelize_transformer(m, **_fsdp_options(cfg, info)))
+    return PolicySetup(policy, module, base)
+
+
 # ----------------------------------------------------------------------------- the trainer
 
 def resolve_layout(cfg: TrainConfig, policy: FluxPolicy, prompts: list[str], run_dir: Path,
                    info: D.DistInfo) -> tuple[ChunkLayout, torch.Tensor | None]:
     """The run's fixed chunk layout; "auto" (or weighted sampling) measures the profile on the
-    first training prompts. G2RPO trains one branch step per iteration: its layout is step
-    level, chunk j = step j."""
+    first training prompts, once for the job (`shared_dynamics`; rank 0 saves it). G2RPO
+    trains one branch step per iteration: its layout is step level, chunk j = step j."""
     if cfg.sampling.algorithm == "g2rpo":
         layout = ChunkLayout((1,) * cfg.num_trained)
     else:
         layout = parse_chunk_spec(cfg.chunks.spec, cfg.num_trained, cfg.chunks.size)
     curve = None
     if layout is None or cfg.chunks.weighted:
-        curve = measure_dynamics(policy, prompts[:cfg.chunks.profile_prompts],
-                                 num_steps=cfg.sampling.steps,
-                                 shift=sampling_shift(cfg, policy),
-                                 cfg_scale=cfg.sampling.cfg_scale, seed=cfg.run.seed,
-                                 batch_size=cfg.sampling.batch_size)
+        with active_phase("profile"):
+            # Once for the job, under the run's autocast (FSDP: the ranks split the prompts).
+            curve = shared_dynamics(policy, prompts[:cfg.chunks.profile_prompts], info=info,
+                                    sharded=cfg.parallel.mode == "fsdp",
+                                    num_steps=cfg.sampling.steps, shift=sampling_shift(cfg, policy),
+                                    cfg_scale=cfg.sampling.cfg_scale, seed=cfg.run.seed,
+                                    batch_size=cfg.sampling.batch_size,
+                                    mixed_precision=cfg.model.mixed_precision)
         if layout is None:
             layout = propose_chunks(curve, cfg.chunks.max_size, cfg.num_trained)
         if info.is_main:
@@ -237,27 +307,23 @@ def optimizer_steps_per_iter(cfg: TrainConfig) -> int:
 def build_trainer(cfg: TrainConfig, run_dir: Path, info: D.DistInfo, *,
                   prompt_sets: PromptSets | None = None, layout: ChunkLayout | None = None,
                   chunk_weights: torch.Tensor | None = None, reward_fn=None,
-                  policy: FluxPolicy | None = None) -> Trainer:
-    """Everything an iteration needs; the prompts, reward and policy are read or built from the
-    config unless given, and the layout (with its chunk weights) measured unless given."""
+                  setup: PolicySetup | None = None) -> Trainer:
+    """Everything an iteration needs; the prompts, policy (`build_policy`) and reward are read
+    or built from the config unless given, in that order (the reward after the policy is
+    sharded), and the layout (with its chunk weights) measured unless given, on the
+    parallelized policy (every rank takes part)."""
     prompt_sets = read_prompt_sets(cfg) if prompt_sets is None else prompt_sets
+    setup = build_policy(cfg, info) if setup is None else setup
     reward_fn = resolve_reward(cfg, info.device) if reward_fn is None else as_reward_mix(
         reward_fn, cfg.reward.name)
-    if policy is None:
-        policy = load_checked_policy(cfg, info.device)
+    policy, module = setup.policy, setup.module
+    # The sharded parameters, collected before any forward: after a no-grad forward FSDP2
+    # leaves the root's own parameters unsharded (plain tensors) until the next backward.
+    named = [(n, p) for n, p in unwrapped(module).named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
     if layout is None:
         layout, curve = resolve_layout(cfg, policy, prompt_sets.train.prompts, run_dir, info)
         chunk_weights = layout.chunk_weights(curve) if curve is not None else None
-    model = cfg.model
-    prepare_transformer(
-        policy.transformer, lora_rank=model.lora_rank, lora_alpha=model.lora_alpha,
-        lora_targets=model.lora_targets, gradient_checkpointing=model.gradient_checkpointing,
-        attention_backend=model.attention_backend)
-    base = None
-    if cfg.eval.hybrid_steps:  # the base from the policy's own weights, before any step
-        base = hybrid_base(policy, resolve_weights_dtype(cfg.model.weights_dtype, info.device))
-    module = parallelize_policy(cfg, policy, base, info)
-    params = trainable_parameters(module)  # FSDP replaced them by sharded ones
     optimizer = build_optimizer(params, name=cfg.optim.name, lr=cfg.optim.lr,
                                 betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
                                 weight_decay=cfg.optim.weight_decay)
@@ -266,8 +332,7 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, info: D.DistInfo, *,
                                    kind=cfg.optim.schedule)
     ema = None
     if cfg.optim.ema_decay > 0:
-        ema = EMA([(n, p) for n, p in policy.transformer.named_parameters() if p.requires_grad],
-                  cfg.optim.ema_decay)
+        ema = EMA(named, cfg.optim.ema_decay)
     # On shapes prompts, the shapes world's checks say whether a learned reward's gain kept
     # prompt fidelity (colour, shape, count, position) or came from reward hacking.
     fidelity = get_reward("shapes") if cfg.data.eval_prompts.startswith("shapes:") else None
@@ -277,19 +342,26 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, info: D.DistInfo, *,
                    train_prompts=prompt_sets.train.prompts,
                    eval_prompts=prompt_sets.eval.prompts, layout=layout,
                    chunk_weights=chunk_weights,
-                   logger=MetricsLogger(run_dir, enabled=info.is_main), base_policy=base,
+                   logger=MetricsLogger(run_dir, enabled=info.is_main),
+                   base_policy=setup.base,
                    fidelity_fn=fidelity)
+
+
+def _fsdp_options(cfg: TrainConfig, info: D.DistInfo) -> dict:
+    """`parallelize_transformer`'s settings of the run: FSDP computes in bf16 when the run's
+    mixed precision is bf16 and reduces gradients in ``parallel.reduce_dtype``."""
+    bf16 = resolve_mixed_precision(cfg.model.mixed_precision, info.device).mode == "bf16"
+    return dict(mode=cfg.parallel.mode, device=info.device, cpu_offload=cfg.parallel.cpu_offload,
+                param_dtype=torch.bfloat16 if bf16 else None,
+                reduce_dtype=WEIGHTS_DTYPES[cfg.parallel.reduce_dtype])  # the same names
 
 
 def parallelize_policy(cfg: TrainConfig, policy: FluxPolicy, base, info: D.DistInfo
                        ) -> torch.nn.Module:
     """Spread the policy's transformer over the job's ranks (`chunk_grpo.parallelize`: FSDP2 per
-    block, or DDP; nothing on one process) and return the module that trains. FSDP computes in
-    bf16 when the run's mixed precision is bf16; a full-fine-tuning hybrid base (a frozen copy)
-    is sharded the same way."""
-    bf16 = resolve_mixed_precision(cfg.model.mixed_precision, info.device).mode == "bf16"
-    options = dict(mode=cfg.parallel.mode, device=info.device, cpu_offload=cfg.parallel.cpu_offload,
-                   param_dtype=torch.bfloat16 if bf16 else None)
+    block, or DDP; nothing on one process) and return the module that trains. A full-fine-
+    tuning hybrid base given here (a frozen copy, loaded whole) is sharded the same way."""
+    options = _fsdp_options(cfg, info)
     try:
         module = parallelize_transformer(
             policy.transformer, activation_checkpointing=cfg.model.gradient_checkpointing,

@@ -16,9 +16,9 @@ Conventions kept from each project (read from its public code; written here inde
   std_dev_t is eta * sqrt(s / (1 - s)) for "sde" (without the sqrt(-dt) factor), s' sin(eta
   pi / 2) for "cps". The noise is drawn in fp32 from `generator` (diffusers' randn_tensor).
 - Dance-GRPO `flux_step` (fastvideo/train_grpo_flux.py): kind "dance"; its log_prob is the
-  MEAN of -(x' - m)^2 / (2 std^2) only: the -log(std) - log(sqrt(2 pi)) line stands alone
-  after the expression in the public code and is never added, so it is not added here either
-  (ratios are unaffected). Noise from the global generator (torch.randn_like of the mean).
+  MEAN over all but the batch dim of the full Gaussian log-density, -(x' - m)^2 / (2 std^2)
+  - log(std) - log(sqrt(2 pi)) with std = eta sqrt(sigma - sigma_next), computed in fp32.
+  Noise from the global generator (torch.randn_like of the mean).
   Returns (prev_sample, pred_original_sample, log_prob) with grpo=True, (prev_sample_mean,
   pred_original_sample) with grpo=False. grpo=True with sde_solver=False (a density around the
   ODE mean) is no grpo_kernels kind and raises.
@@ -41,8 +41,6 @@ import torch
 from grpo_kernels.functional import sde_step_logprob, sde_step_sample
 from grpo_kernels.reference import sde_mean_and_noise_reference
 from grpo_kernels.step_params import step_rows
-
-_HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 
 
 def randn_like_diffusers(shape, generator, device, dtype) -> torch.Tensor:
@@ -145,9 +143,6 @@ def flux_step(
     else:
         log_prob = sde_step_logprob(latents, model_output, prev_sample.detach(), sigma,
                                     sigma_next, **kwargs)
-    # Dance-GRPO's log_prob keeps only the quadratic term (see the module docstring).
-    std = eta * torch.sqrt((sigma - sigma_next).double())
-    log_prob = log_prob + (torch.log(std) + _HALF_LOG_2PI).to(log_prob.dtype)
     return prev_sample, pred_original_sample, log_prob
 
 

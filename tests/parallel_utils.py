@@ -75,24 +75,24 @@ def make_optimizer(params: list) -> torch.optim.Optimizer:
 
 
 def train(call, params: list, rank: int, world: int, sizes: dict = TINY, *,
-          optimizer: torch.optim.Optimizer | None = None, steps: range = range(STEPS)
-          ) -> list[float]:
-    """Optimizer steps ``steps``; each rank takes its micro-batches of the global batch. Returns
-    the norms before clipping."""
-    micro = GLOBAL_ROWS // (world * MICRO_ROWS)
+          optimizer: torch.optim.Optimizer | None = None, steps: range = range(STEPS),
+          micro_rows: int = MICRO_ROWS) -> list[float]:
+    """Optimizer steps ``steps``; each rank takes its micro-batches of ``micro_rows`` rows of
+    the global batch. Returns the norms before clipping."""
+    micro = GLOBAL_ROWS // (world * micro_rows)
     optimizer = optimizer or make_optimizer(params)
     norms = []
     for step in steps:
         batch = step_batch(step, sizes)
         for k in range(micro):
-            start = (k * world + rank) * MICRO_ROWS
+            start = (k * world + rank) * micro_rows
             with sync_gradients(call, enabled=k == micro - 1):
-                (loss_of(call, batch, slice(start, start + MICRO_ROWS)) / micro).backward()
+                (loss_of(call, batch, slice(start, start + micro_rows)) / micro).backward()
         norm = clip_grad_norm(params, MAX_NORM)
-        if not any_rank(not torch.isfinite(torch.tensor(norm)).item()):
+        if not any_rank(~torch.isfinite(norm)):
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        norms.append(norm)
+        norms.append(float(norm))
     return norms
 
 

@@ -125,3 +125,58 @@ def test_a_disk_filling_up_mid_write_is_reported(tmp_path, monkeypatch, failure)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest",
                                                                            "step-00000001"]
     assert load_checkpoint(tmp_path, restore_rng=False)["step"] == 1
+
+
+class _FakeCuda:
+    """torch.cuda as a process with ``visible`` GPUs sees it, current device ``current``: the
+    CUDA generator states it is given are recorded."""
+
+    def __init__(self, visible: int, current: int):
+        self.visible, self.current, self.restored = visible, current, []
+
+    def install(self, monkeypatch):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: self.visible > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: self.visible)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: self.current)
+        monkeypatch.setattr(torch.cuda, "set_rng_state_all",
+                            lambda states: pytest.fail("every saved CUDA state was restored"))
+
+        def set_rng_state(state, device="cuda"):
+            if not 0 <= int(device) < self.visible:
+                raise IndexError(f"device {device} of {self.visible}")
+            self.restored.append((int(device), state))
+        monkeypatch.setattr(torch.cuda, "set_rng_state", set_rng_state)
+
+
+@pytest.mark.parametrize("visible,current,restored,note", [
+    (1, 0, [0], "8 GPU(s), 1 visible here: device 0's restored"),
+    (2, 1, [1], "8 GPU(s), 2 visible here: device 1's restored"),
+    (8, 5, [5], None),
+    (0, 0, [], "8 GPU(s), none is visible here: not restored"),
+])
+def test_only_the_current_devices_cuda_rng_state_is_restored(monkeypatch, visible, current,
+                                                             restored, note):
+    """A checkpoint saved with 8 visible GPUs (8 CUDA generator states) resumes on fewer: only
+    the current device's state is set, never an index past the visible devices, and the change
+    is one line."""
+    state = ckpt.rng_state()
+    state["cuda"] = [torch.full((16,), i, dtype=torch.uint8) for i in range(8)]
+    fake = _FakeCuda(visible, current)
+    fake.install(monkeypatch)
+    line = ckpt.set_rng_state(state)
+    assert [d for d, _ in fake.restored] == restored
+    for device, value in fake.restored:
+        assert torch.equal(value, state["cuda"][device])
+    if note is None:
+        assert line is None
+    else:
+        assert line.startswith("[chunk-grpo] resume: ") and line.endswith(note)
+
+
+def test_a_device_without_a_saved_cuda_rng_state_keeps_its_own(monkeypatch):
+    state = dict(ckpt.rng_state(), cuda=[torch.zeros(16, dtype=torch.uint8)] * 2)
+    fake = _FakeCuda(4, 3)
+    fake.install(monkeypatch)
+    assert ckpt.set_rng_state(state).endswith("2 GPU(s), 4 visible here: device 3 has none and "
+                                              "keeps its seeded state")
+    assert fake.restored == []

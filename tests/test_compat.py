@@ -131,8 +131,8 @@ def test_dance_grpo_flux_step(given):
     prev_sample, pred_original, log_prob = got
     torch.testing.assert_close(prev_sample, prev, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(pred_original, x - s * v)
-    # Dance-GRPO's log_prob: the quadratic term only (its constants are never added).
-    want = (-((prev - mean) ** 2) / (2 * n**2)).mean(dim=(1, 2))
+    # Dance-GRPO's log_prob: the full Gaussian log-density (constants included), mean-reduced.
+    want = gaussian_logp(prev, mean, torch.as_tensor(n))
     assert log_prob.shape == (3,) and log_prob.dtype == torch.float32
     torch.testing.assert_close(log_prob, want, rtol=1e-5, atol=2e-5)
 

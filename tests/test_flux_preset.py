@@ -80,11 +80,6 @@ def preset_overrides(tmp_path: Path, model: Path, reward: str, out: Path) -> lis
         "--device", "cpu",  # the preset says cuda
         "--height", "64", "--width", "64",  # 720x720 is minutes per image on a CPU
         "--max-steps", "1",  # one iteration (the preset: 150)
-        "--group-size", "4",  # the preset's 12 triples the rollouts and the training calls
-        # The preset's 2 optimizer steps per iteration at 8 rollouts instead of 24: 8 / 4 = 2
-        # micro-batches (each one call over its 2 trained chunks), a step after each (the
-        # preset: 24 / 1 = 24 micro-batches, a step every 12).
-        "--micro-batch-size", "4", "--grad-accum", "1",
         "--eval-images", "2", "--final-eval-images", "2",  # the preset's 400 each
         "--progress", "false",
         "--prompt-cache-dir", str(tmp_path / "prompt-cache"),  # not the user's ~/.cache
@@ -95,7 +90,10 @@ def preset_overrides(tmp_path: Path, model: Path, reward: str, out: Path) -> lis
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_flux_dev_preset_runs_one_iteration_on_cpu(tmp_path, ranks):
     """One process, and 2 gloo ranks under torchrun with the preset's FSDP2 (each rank its 2
-    prompts, the shards, a sharded checkpoint, the evaluation split and the gathered export)."""
+    prompts, the transformer loaded straight into its shards, a sharded checkpoint, the
+    evaluation split and the gathered export). The preset's own accumulation: groups of 12,
+    24 rows per rank as 24 micro-batches of 1 row, an optimizer step every 12 (gradients
+    reduce-scattered every micro-batch), so 2 optimizer steps."""
     model = save_flux_dev_shaped(tmp_path / "flux-dev-shaped")
     assert not (model / CONFIG_NAME).exists()
     hpsv3_dir = tmp_path / "hpsv3"
@@ -117,7 +115,8 @@ def test_flux_dev_preset_runs_one_iteration_on_cpu(tmp_path, ranks):
     # The preset's settings reached the run, the overrides only where given.
     saved = load_saved_config(out / "config.yaml")
     preset = build_config(PRESET)
-    for key in ("num_steps", "rollout_batch_size", "shift", "dynamic_shift", "sde_kind", "eta",
+    for key in ("group_size", "micro_batch_size", "grad_accum", "parallelism", "weights_dtype",
+                "num_steps", "rollout_batch_size", "shift", "dynamic_shift", "sde_kind", "eta",
                 "cfg_scale",
                 "prompts_per_step", "sde_window", "chunks", "chunk_fraction", "weighted_chunks",
                 "clip_low", "clip_high", "lr", "max_grad_norm", "lora_rank",

@@ -72,7 +72,7 @@ def parallel_scenarios(rank: int, world: int, tmp, _unused=None) -> dict:
     params = trainable_parameters(call)
     loss = loss_of(call, step_batch(0, FLUX_DEV_REDUCED), slice(rank * 4, rank * 4 + 4))
     loss.backward()
-    results["flux_dev"] = dict(loss=float(loss.detach()), norm=clip_grad_norm(params, 1e9),
+    results["flux_dev"] = dict(loss=float(loss.detach()), norm=float(clip_grad_norm(params, 1e9)),
                                grads=sum(p.grad is not None for p in params), params=len(params),
                                finite=all_finite(params))
     if rank == 1:  # a NaN in one shard of one rank: every rank learns of it
@@ -218,11 +218,13 @@ def test_one_process_is_left_unwrapped_and_clips_like_torch():
     loss_of(model, step_batch(0), slice(0, 2)).backward()
     copies = [p.grad.clone() for p in params]
     norm = clip_grad_norm(params, 1e-3)
+    assert isinstance(norm, torch.Tensor) and norm.dim() == 0  # on the device: no host read
     expected = torch.linalg.vector_norm(torch.stack([g.norm() for g in copies]))
-    assert norm == pytest.approx(float(expected), rel=1e-6)
+    assert float(norm) == pytest.approx(float(expected), rel=1e-6)
     clipped = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
     assert float(clipped) == pytest.approx(1e-3, rel=1e-4)
     assert any_rank(True) and not any_rank(False)
+    assert any_rank(torch.tensor(True)) and not any_rank(torch.tensor(False))
     assert all_finite(params)
     with torch.no_grad():
         params[0][0, 0] = float("nan")

@@ -5,6 +5,7 @@ levers, and the command line."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -18,12 +19,16 @@ from peft import LoraConfig
 from chunk_grpo.config import build_config
 from chunk_grpo.memory_plan import (
     GB,
+    PHASES,
     PlanDoesNotFit,
     build_plan,
     check_plan,
+    format_plan,
+    model_sizes,
     plan_for_config,
     settings_from_config,
 )
+from chunk_grpo.phase_memory import PhaseMemory, active_phase
 from chunk_grpo.plan import main as plan_main
 from chunk_grpo.plan_activations import (
     Adapters,
@@ -39,6 +44,7 @@ from chunk_grpo.plan_models import (
     build_transformer,
     build_vae,
     count_parameters,
+    largest_tensor,
     lora_parameter_count,
     resolve_model_configs,
 )
@@ -184,7 +190,7 @@ def test_a_config_that_cannot_fit_names_the_levers_by_effect():
     with pytest.raises(PlanDoesNotFit) as err:
         check_plan(cfg, 2, 0.01 * GB)
     message = str(err.value)
-    assert "\n" not in message and "exceeds the 0.0 GB budget" in message
+    assert "\n" not in message and "over the 0.0 GB budget" in message
     for lever in ("parallelism: fsdp", "optimizer: adamw8bit", "gradient_checkpointing: true",
                   "micro_batch_size: 4", "text_encoders: cache", "lora_rank: 64"):
         assert lever in message
@@ -210,8 +216,12 @@ def test_cli_writes_json_and_exits_1_when_it_does_not_fit(tmp_path, capsys):
     out = tmp_path / "plan.json"
     plan_main(["--gpus", "1", "--gpu-memory", "80", "--device", "cuda", "--json", str(out)])
     data = json.loads(out.read_text())
-    assert data["fits"] and data["peak_bytes"] == pytest.approx(
-        data["static_bytes"] + max(data["train_bytes"], data["rollout_bytes"]))
+    assert [p["name"] for p in data["phases"]] == list(PHASES)
+    assert data["fits"] and data["peak_bytes"] == max(p["gpu_bytes"] for p in data["phases"])
+    peak = next(p for p in data["phases"] if p["name"] == data["peak_phase"])
+    assert peak["gpu_bytes"] == pytest.approx(sum(peak["gpu_parts"].values()))
+    assert data["host_peak_bytes"] == max(p["host_bytes"] for p in data["phases"]) > 0
+    assert set(data["train_by_reduce_dtype"]) == {"fp32", "bf16"}
     with pytest.raises(SystemExit) as stop:
         plan_main(["--gpu-memory", "0.5", "--device", "cuda"])
     assert stop.value.code == 1
@@ -232,3 +242,115 @@ def test_cli_help_and_bad_flags_answer_in_one_line():
         result = _run(*args)
         assert result.returncode == 2, result.stderr
         assert expected in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+# ----------------------------------------------------------------------------- phases
+
+def _part(phase, name: str) -> float:
+    return dict(phase.gpu_parts).get(name, 0.0)
+
+
+def _flux_blocks():
+    from chunk_grpo.plan_models import transformer_blocks
+
+    meta = build_transformer(resolve_model_configs("embedded").transformer)
+    return meta, [count_parameters(b) for b in transformer_blocks(meta)]
+
+
+def test_every_phase_in_order_and_the_peak_is_the_largest():
+    plan = plan_for_config(_embedded_cfg(parallelism="fsdp", lora_rank=0, eval_hybrid_steps=2),
+                           4, 80 * GB)
+    assert [p.name for p in plan.phases] == list(PHASES)
+    largest = max(plan.phases, key=lambda p: p.gpu_bytes)
+    assert (plan.peak_phase, plan.peak_bytes) == (largest.name, largest.gpu_bytes)
+    assert plan.peak_phase in plan.verdict()
+    # The optimizer state exists from the first step on: in the rollout, not at load.
+    opt = _row(plan, "optimizer state").gpu_bytes
+    assert _part(plan.phase("rollout"), "optimizer state") == opt > 0
+    assert _part(plan.phase("load"), "optimizer state") == 0
+
+
+def test_fsdp_accumulation_keeps_only_gradient_shards_and_one_block_in_flight():
+    """FSDP reduce-scatters every micro-batch: the train phase holds the fp32 gradient shards
+    (4 B/param / world) and one block's unsharded gradient, never a full gradient; DDP holds a
+    full gradient and its buckets."""
+    meta, blocks = _flux_blocks()
+    params = count_parameters(meta)
+    cfg = _embedded_cfg(parallelism="fsdp", lora_rank=0, grad_accum=12, micro_batch_size=1)
+    train = plan_for_config(cfg, 8, 80 * GB).phase("train")
+    assert _part(train, "gradients") == pytest.approx(4 * params / 8)
+    assert _part(train, "gradient in flight / buckets") == pytest.approx((2 + 4) * max(blocks))
+    # No unsharded full gradient: what the gradients take is less than one full fp32 copy.
+    assert _part(train, "gradients") + _part(train, "gradient in flight / buckets") < 4 * params
+    pairs = max(a + b for a, b in zip(blocks, blocks[1:], strict=False))
+    root = params - sum(blocks)
+    assert _part(train, "FSDP unsharded blocks") == pytest.approx(2 * (pairs + root))
+    ddp = plan_for_config(_embedded_cfg(parallelism="ddp", lora_rank=0, grad_accum=12), 8,
+                          80 * GB).phase("train")
+    assert _part(ddp, "gradients") == _part(ddp, "gradient in flight / buckets") == 4 * params
+
+
+def test_reduce_dtype_changes_only_the_gradient_in_flight():
+    _, blocks = _flux_blocks()
+    settings = settings_from_config(_embedded_cfg(parallelism="fsdp", lora_rank=0), 8)
+    fp32 = build_plan(settings, 80 * GB)
+    bf16 = build_plan(dataclasses.replace(settings, reduce_dtype="bf16"), 80 * GB)
+    assert fp32.train_by_reduce_dtype == bf16.train_by_reduce_dtype
+    saved = fp32.train_by_reduce_dtype["fp32"] - fp32.train_by_reduce_dtype["bf16"]
+    assert saved == pytest.approx(2 * max(blocks))  # fp32 -> bf16 copy of the largest block
+    assert fp32.phase("train").gpu_bytes - bf16.phase("train").gpu_bytes == pytest.approx(saved)
+    assert fp32.phase("rollout").gpu_bytes == bf16.phase("rollout").gpu_bytes
+    assert "train by reduce_dtype: fp32" in format_plan(fp32)
+
+
+def test_host_memory_per_node():
+    """Load: the checkpoint files' page cache once per node plus one full tensor per rank;
+    export: rank 0 holds the gathered fp32 transformer (and the reloaded text encoders)."""
+    meta, _ = _flux_blocks()
+    params, tensor = count_parameters(meta), largest_tensor(meta)
+    cfg = _embedded_cfg(parallelism="fsdp", lora_rank=0, text_encoders="cache")
+    eight = plan_for_config(cfg, 16, 80 * GB)  # two nodes of 8
+    four = plan_for_config(cfg, 16, 80 * GB, gpus_per_node=4)
+    files = model_sizes("embedded").files
+    page_cache = files["transformer"] + files["text_encoders"] + files["vae"]
+    assert files["transformer"] > 0
+    assert eight.phase("load").host_bytes == pytest.approx(page_cache + 8 * 4 * tensor)
+    assert four.phase("load").host_bytes == pytest.approx(page_cache + 4 * 4 * tensor)
+    export = dict(eight.phase("export").host_parts)
+    assert export["rank 0: the gathered transformer"] == 4 * params
+    assert export["rank 0: text encoders reloaded"] == 2 * model_sizes("embedded").text_encoders
+    assert _part(eight.phase("export"), "one full tensor in flight") == 4 * tensor
+    assert eight.host_peak_bytes == max(p.host_bytes for p in eight.phases)
+
+
+def test_check_plan_names_the_phase_over_the_budget():
+    cfg = _embedded_cfg(parallelism="fsdp", lora_rank=0, text_encoders="cache")
+    plan = plan_for_config(cfg, 2, 80 * GB, device="cuda")
+    ordered = sorted(plan.phases, key=lambda p: p.gpu_bytes)
+    top, second = ordered[-1], ordered[-2]
+    assert top.gpu_bytes > second.gpu_bytes
+    with pytest.raises(PlanDoesNotFit, match=f"the {top.name} phase peaks at"):
+        check_plan(cfg, 2, (top.gpu_bytes + second.gpu_bytes) / 2)
+    assert check_plan(cfg, 2, top.gpu_bytes).peak_phase == top.name
+
+
+def test_phase_memory_measures_a_known_allocation_on_the_cpu():
+    """Tolerance 15%: the peak is the resident memory's high-water mark, which also sees the
+    allocator's and the interpreter's own pages."""
+    memory = PhaseMemory("cpu")
+    size = 400 * 10**6
+    with memory.activate():
+        with active_phase("big"):
+            held = memory._current_bytes() - memory.baseline
+            tensor = torch.ones(size // 4)
+            del tensor
+        with active_phase("small"):
+            torch.ones(size // 40).sum()
+    report = memory.report()["phases"]
+    assert report["big"]["peak_bytes"] - held == pytest.approx(size, rel=0.15)
+    assert report["small"]["peak_bytes"] < report["big"]["peak_bytes"] / 2  # the mark was reset
+    assert report["big"]["calls"] == 1 and report["big"]["seconds"] > 0
+    assert memory.metrics()["memory/big_gb"] == pytest.approx(report["big"]["peak_bytes"] / GB)
+    with active_phase("outside"):  # no active recorder: nothing recorded
+        pass
+    assert "outside" not in memory.report()["phases"]

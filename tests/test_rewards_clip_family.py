@@ -32,8 +32,9 @@ def empty_hf_cache(tmp_path, monkeypatch):
 
 
 def _images(seed: int, n: int = 7, size: int = 32) -> torch.Tensor:
+    """8-bit images as floats: what the rewards see after their 8-bit rounding."""
     torch.manual_seed(seed)
-    return torch.rand(n, 3, size, size)
+    return (torch.rand(n, 3, size, size) * 255).round() / 255
 
 
 def _by_hand(directory, images, prompts, mean=OPENAI_MEAN, std=OPENAI_STD, processor=None):

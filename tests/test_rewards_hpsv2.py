@@ -71,7 +71,7 @@ def test_round_trip_gives_the_original_weights(tiny_hps):
 def test_hpsv2_scores_equal_the_original_model(tiny_hps):
     model, checkpoint_dir, processor = tiny_hps
     torch.manual_seed(0)
-    images = torch.rand(7, 3, 32, 32)
+    images = (torch.rand(7, 3, 32, 32) * 255).round() / 255  # 8-bit images, as PIL's
     reward = get_reward("hpsv2", model=checkpoint_dir, processor=processor, heads=HEADS)
     scores = reward(images, PROMPTS)
     expected = _reference(model, processor, images, PROMPTS)

@@ -6,9 +6,10 @@ modules: [CLS]-position output of the cross-attending text encoder -> MLP -> (r 
 import json
 
 import huggingface_hub.constants
+import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
+from PIL import Image
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 from torch import nn
 from transformers import (
@@ -159,7 +160,7 @@ def _reference(vision, text, head, tokenizer_dir, images, prompts):
 def test_scores_equal_the_original_modules(tiny_ir):
     vision, text, head, checkpoint_dir, tokenizer_dir = tiny_ir
     torch.manual_seed(1)
-    images = torch.rand(len(PROMPTS), 3, IMAGE_SIZE, IMAGE_SIZE)
+    images = (torch.rand(len(PROMPTS), 3, IMAGE_SIZE, IMAGE_SIZE) * 255).round() / 255
     reward = get_reward("imagereward", model=checkpoint_dir, tokenizer=tokenizer_dir,
                         vision_heads=VISION_HEADS, batch_size=2)
     scores = reward(images, PROMPTS)
@@ -180,14 +181,18 @@ def test_scores_equal_the_original_modules(tiny_ir):
 
 
 def test_images_are_resized_and_cropped_as_published(tiny_ir):
-    """A 48x40 image: shortest side to 32 bicubic (antialiased as PIL's), centre crop 32."""
+    """A 48x40 image: shortest side to 32 with PIL's 8-bit bicubic, centre crop 32 at
+    torchvision's offset round((38 - 32) / 2) = 3."""
     vision, text, head, checkpoint_dir, tokenizer_dir = tiny_ir
     torch.manual_seed(2)
-    images = torch.rand(2, 3, 48, 40)
+    images = (torch.rand(2, 3, 48, 40) * 255).round() / 255
     reward = get_reward("imagereward", model=checkpoint_dir, tokenizer=tokenizer_dir,
                         vision_heads=VISION_HEADS)
-    resized = F.interpolate(images, size=(38, 32), mode="bicubic", antialias=True,
-                            align_corners=False).clamp(0, 1)  # int(32 * 48 / 40) = 38
+    resized = torch.stack([  # int(32 * 48 / 40) = 38
+        torch.from_numpy(np.array(Image.fromarray(
+            (im.permute(1, 2, 0) * 255).round().byte().numpy()).resize((32, 38),
+                                                                       Image.BICUBIC)))
+        .permute(2, 0, 1).float() / 255 for im in images])
     cropped = resized[:, :, 3:35, :]
     expected = _reference(vision, text, head, tokenizer_dir, cropped, PROMPTS[:2])
     torch.testing.assert_close(reward(images, PROMPTS[:2]), expected, rtol=1e-5, atol=1e-5)

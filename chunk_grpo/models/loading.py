@@ -7,6 +7,8 @@ and where to put it.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -20,6 +22,8 @@ FLUX_DEV_ID = "black-forest-labs/FLUX.1-dev"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin")
 # (tokenizer attribute, text encoder attribute) pairs FluxPipeline uses.
 _TOKENIZER_PAIRS = (("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2"))
+# The components with weights; the transformer first (it may be given instead of loaded).
+_MODEL_COMPONENTS = ("transformer", "vae", "text_encoder", "text_encoder_2")
 
 
 class ModelLoadError(ValueError):
@@ -106,46 +110,80 @@ def _follow_progress_bar_setting() -> None:
         transformers_logging.disable_progress_bar()
 
 
+def resolve_pipeline_dir(path_or_id: str | os.PathLike) -> tuple[Path, str]:
+    """(the local pipeline directory, how to name the model in messages) for a local directory
+    or a hub id (from the Hugging Face cache, downloaded unless HF_HUB_OFFLINE is set)."""
+    name = os.fspath(path_or_id)
+    local = Path(name).expanduser()
+    if isinstance(path_or_id, os.PathLike) or local.exists() or not _looks_like_hub_id(name):
+        _check_local_directory(local)
+        return local, str(local)
+    from huggingface_hub import constants
+
+    offline = bool(constants.HF_HUB_OFFLINE)
+    try:
+        return Path(FluxPipeline.download(name, local_files_only=offline)), name
+    except (OSError, ValueError) as err:
+        why = (
+            "HF_HUB_OFFLINE is set and it is not in the local Hugging Face cache "
+            f"({constants.HF_HUB_CACHE})"
+            if offline
+            else "downloading it failed (no network, or a gated model without a login token)"
+        )
+        raise ModelLoadError(
+            f"cannot load hub model {name!r}: {why}: {err}\n"
+            + _download_hint(f"/path/to/{name.split('/')[-1]}")
+        ) from err
+
+
+def component_class(local: Path, name: str) -> type:
+    """The class model_index.json names for component ``name`` (e.g. T5EncoderModel)."""
+    library, class_name = json.loads((local / "model_index.json").read_text())[name][:2]
+    return getattr(importlib.import_module(library), class_name)
+
+
 def load_flux_pipeline(
     path_or_id: str | os.PathLike,
     *,
     dtype: torch.dtype | dict[str, torch.dtype] = torch.float32,
     device: str | torch.device = "cpu",
+    skip: tuple[str, ...] = (),
+    devices: dict[str, str | torch.device] | None = None,
+    transformer: torch.nn.Module | None = None,
 ) -> FluxPipeline:
     """Load a FLUX diffusers pipeline from a local directory or a hub id, and check it.
 
     ``dtype``: one for every component, or per component as diffusers takes it, e.g.
-    ``{"transformer": torch.float32, "default": torch.bfloat16}``."""
+    ``{"transformer": torch.float32, "default": torch.bfloat16}``. Each model component loads
+    in its dtype straight to its device (``devices[name]``, default ``device``) from the
+    memory-mapped safetensors: no detour through fp32 or a host copy to move afterwards.
+    ``transformer``: one to use instead of loading it (e.g. built on the ``meta`` device for
+    sharded loading, `chunk_grpo.sharded_load`); it is left where it is. ``skip``: components
+    not to load (None in the pipeline), e.g. ``("transformer", "vae")`` for the text encoders
+    only."""
     _follow_progress_bar_setting()
-    name = os.fspath(path_or_id)
-    local = Path(name).expanduser()
-    if isinstance(path_or_id, os.PathLike) or local.exists() or not _looks_like_hub_id(name):
-        _check_local_directory(local)
-        source = str(local)
-        try:
-            pipeline = FluxPipeline.from_pretrained(local, dtype=dtype, local_files_only=True)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(
-                f"could not load the pipeline in {local}: {err}\n" + _download_hint(str(local))
-            ) from err
-    else:
-        from huggingface_hub import constants
-
-        source = name
-        offline = bool(constants.HF_HUB_OFFLINE)
-        try:
-            pipeline = FluxPipeline.from_pretrained(name, dtype=dtype, local_files_only=offline)
-        except (OSError, ValueError) as err:
-            why = (
-                "HF_HUB_OFFLINE is set and it is not in the local Hugging Face cache "
-                f"({constants.HF_HUB_CACHE})"
-                if offline
-                else "downloading it failed (no network, or a gated model without a login token)"
-            )
-            raise ModelLoadError(
-                f"cannot load hub model {name!r}: {why}: {err}\n"
-                + _download_hint(f"/path/to/{name.split('/')[-1]}")
-            ) from err
+    local, source = resolve_pipeline_dir(path_or_id)
+    dtypes = dtype if isinstance(dtype, dict) else {"default": dtype}
+    devices = devices or {}
+    # accelerate places weights as they are read; without it, load on the CPU and move.
+    direct = importlib.util.find_spec("accelerate") is not None
+    models: dict[str, torch.nn.Module | None] = {name: None for name in skip}
+    try:
+        for name in _MODEL_COMPONENTS:
+            if name in skip or (name == "transformer" and transformer is not None):
+                continue
+            where = torch.device(devices.get(name, device))
+            model = component_class(local, name).from_pretrained(
+                local, subfolder=name, dtype=dtypes.get(name, dtypes["default"]),
+                local_files_only=True, device_map=where if direct else None)
+            models[name] = model if direct else model.to(where)
+        if transformer is not None:
+            models["transformer"] = transformer
+        pipeline = FluxPipeline.from_pretrained(local, local_files_only=True, **models)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(
+            f"could not load the pipeline in {source}: {err}\n" + _download_hint(source)
+        ) from err
     check_tokenizers(pipeline, source)
     pipeline.set_progress_bar_config(disable=True)
-    return pipeline.to(device)
+    return pipeline

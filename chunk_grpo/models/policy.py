@@ -113,23 +113,24 @@ class FluxPolicy:
         device: str | torch.device = "cpu",
         frozen_dtype: torch.dtype | None = None,
         text_encoder_device: str | torch.device | None = None,
+        transformer: torch.nn.Module | None = None,
     ) -> FluxPolicy:
         """Load a FLUX pipeline as a policy.
 
         ``dtype``: the transformer's weights (fp32 when they are trained in full; the frozen base
         under LoRA may be bf16, its adapters are made fp32 by `prepare_transformer`).
         ``frozen_dtype``: the VAE and text encoders (default ``dtype``). Each part is loaded in
-        its dtype directly, never in fp32 first. ``text_encoder_device``: where the text
-        encoders live (default ``device``; "cpu" keeps them off the GPU, their embeddings are
-        moved to ``device``).
+        its dtype straight to its device, never in fp32 first. ``text_encoder_device``: where
+        the text encoders live (default ``device``; "cpu" keeps them off the GPU, their
+        embeddings are moved to ``device``). ``transformer``: one to use instead of loading it
+        (built on the ``meta`` device for sharded loading, `chunk_grpo.sharded_load`).
         """
         frozen_dtype = frozen_dtype or dtype
         dtypes = {"transformer": dtype, "default": frozen_dtype}
-        pipeline = load_flux_pipeline(path_or_id, dtype=dtypes, device="cpu")
-        pipeline.transformer.to(device)
-        pipeline.vae.to(device)
-        for encoder in (pipeline.text_encoder, pipeline.text_encoder_2):
-            encoder.to(text_encoder_device or device)
+        encoders = text_encoder_device or device
+        pipeline = load_flux_pipeline(
+            path_or_id, dtype=dtypes, device=device, transformer=transformer,
+            devices={"text_encoder": encoders, "text_encoder_2": encoders})
         local = Path(os.fspath(path_or_id)).expanduser()
         defaults = SamplingDefaults.load(local) if local.is_dir() else SamplingDefaults()
         policy = cls(pipeline, defaults)
@@ -228,14 +229,7 @@ class FluxPolicy:
         """The text encoders' output for ``prompts``, on their device and in their dtype (what
         the prompt cache stores). CLIP's tokenizer lowercases by itself; T5 gets the prompt as
         written unless its vocabulary is lowercase only (the tiny models)."""
-        t5_prompts = [p.lower() for p in prompts] if self.lowercase_t5 else list(prompts)
-        embeds, pooled, text_ids = self.pipeline.encode_prompt(
-            prompt=list(prompts),
-            prompt_2=t5_prompts,
-            device=self.pipeline.text_encoder_2.device,
-            max_sequence_length=self.max_sequence_length,
-        )
-        return PromptEmbeds(embeds, pooled, text_ids)
+        return encode_text(self.pipeline, prompts, self.max_sequence_length, self.lowercase_t5)
 
     def negative_embeds(self, batch: int) -> PromptEmbeds:
         """The unconditional prompt (the caption-dropout target) repeated `batch` times."""
@@ -368,6 +362,25 @@ class FluxPolicy:
         dist = self.vae.encode(images.to(self.vae.dtype) * 2 - 1).latent_dist
         z = dist.mode() if generator is None else dist.sample(generator)
         return pack_latents((z - config.shift_factor) * config.scaling_factor).to(self.dtype)
+
+
+@torch.no_grad()
+def encode_text(pipeline: FluxPipeline, prompts: list[str], max_sequence_length: int,
+                lowercase_t5: bool) -> PromptEmbeds:
+    """The pipeline's text encoders' output for ``prompts``, on their device and in their dtype
+    (`FluxPolicy.encode_with_text_encoders`; needs no transformer or VAE). Never under the
+    caller's autocast: the unconditional prompt is first encoded inside a transformer call,
+    and its cached embedding must not depend on which call that was."""
+    t5_prompts = [p.lower() for p in prompts] if lowercase_t5 else list(prompts)
+    device = pipeline.text_encoder_2.device
+    with torch.autocast(device.type, enabled=False):
+        embeds, pooled, text_ids = pipeline.encode_prompt(
+            prompt=list(prompts),
+            prompt_2=t5_prompts,
+            device=device,
+            max_sequence_length=max_sequence_length,
+        )
+    return PromptEmbeds(embeds, pooled, text_ids)
 
 
 def compute_dtype(transformer: torch.nn.Module) -> torch.dtype:

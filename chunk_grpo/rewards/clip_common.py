@@ -12,6 +12,8 @@ cost seconds of CPU at every start of every command, most of which use no CLIP r
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,9 +42,11 @@ class ClipEncoder:
     """A CLIPModel, its tokenizer and its preprocessing; encodes to float32 unit vectors (CPU)."""
 
     def __init__(self, model: CLIPModel, tokenizer, preprocess: ImagePreprocess, *,
-                 device: torch.device, dtype: torch.dtype, batch_size: int, source: str):
+                 device: torch.device, dtype: torch.dtype, batch_size: int, source: str,
+                 clean_text: Callable[[str], str] | None = None):
         self.model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
         self.tokenizer = tokenizer
+        self.clean_text = clean_text  # the authors' prompt cleaning before BPE (text_clean)
         self.preprocess = preprocess
         self.device, self.dtype = device, dtype
         self.batch_size = check_batch_size(batch_size)
@@ -71,9 +75,10 @@ class ClipEncoder:
         (a GRPO group shares its prompt). Prompts are padded to the full context, so a prompt's
         embedding does not depend on the others in its batch, and truncated to it."""
         unique = list(dict.fromkeys(prompts))
+        texts = unique if self.clean_text is None else [self.clean_text(p) for p in unique]
         out = []
-        for start in range(0, len(unique), self.batch_size):
-            tokens = self.tokenizer(unique[start:start + self.batch_size], padding="max_length",
+        for start in range(0, len(texts), self.batch_size):
+            tokens = self.tokenizer(texts[start:start + self.batch_size], padding="max_length",
                                     truncation=True, max_length=self.max_length,
                                     return_tensors="pt").to(self.device)
             features = self.model.get_text_features(input_ids=tokens["input_ids"],
@@ -127,21 +132,24 @@ def load_clip_model(directory: os.PathLike, source: str, reward: str,
 
 def load_clip_encoder(model: str | os.PathLike, processor: str | os.PathLike | None = None, *,
                       reward: str, device: str | torch.device = "cpu",
-                      dtype: str | torch.dtype | None = None, batch_size: int = 16) -> ClipEncoder:
+                      dtype: str | torch.dtype | None = None, batch_size: int = 16,
+                      clean_text: Callable[[str], str] | None = None,
+                      crop_rounding: str = "floor") -> ClipEncoder:
     """A ClipEncoder from a CLIPModel directory or cached hub id `model`; the tokenizer and
-    preprocessor_config.json come from `processor` (default: `model` itself)."""
+    preprocessor_config.json come from `processor` (default: `model` itself). `clean_text` and
+    `crop_rounding` follow the reward authors' tokenizer and transform (see ClipScore)."""
     device, dtype = resolve_device_dtype(device, dtype)
     check_batch_size(batch_size)
     model_dir = resolve_model_dir(model, reward)
     processor_dir = model_dir if processor is None else resolve_model_dir(processor, reward)
     source = os.fspath(model)
-    preprocess = ImagePreprocess.load(processor_dir, reward)
+    preprocess = replace(ImagePreprocess.load(processor_dir, reward), crop_rounding=crop_rounding)
     clip = load_clip_model(model_dir, source, reward, dtype)
     tokenizer = load_clip_tokenizer(processor_dir, clip.config.text_config.vocab_size,
                                     os.fspath(processor or model), reward)
     check_image_size(preprocess, clip.config.vision_config.image_size, source, reward)
     return ClipEncoder(clip, tokenizer, preprocess, device=device, dtype=dtype,
-                       batch_size=batch_size, source=source)
+                       batch_size=batch_size, source=source, clean_text=clean_text)
 
 
 def check_image_size(preprocess: ImagePreprocess, image_size: int, source: str,

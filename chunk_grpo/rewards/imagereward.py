@@ -18,7 +18,8 @@ transformers' BlipVisionModel + BlipTextModel (`blip_convert`). Scored as the au
   tokens, the text embedding's size); prompts padded to and truncated at 35 tokens. The first
   token stays [CLS]: the authors' scoring feeds the tokenizer's output unchanged (BLIP's own ITM
   head swaps in [ENC]; ImageReward's training and scoring do not);
-- images: shortest side to 224 (bicubic), centre crop 224, OpenAI CLIP's mean/std;
+- images: rounded to 8 bits, shortest side to 224 (PIL's bicubic, exactly), centre crop 224
+  (torchvision's offset), OpenAI CLIP's mean/std;
 - the image tokens are all attended to (mask of ones), the prompt's padding is masked.
 """
 
@@ -64,11 +65,11 @@ _NAME = "imagereward"
 
 
 def imagereward_preprocess(image_size: int = 224) -> ImagePreprocess:
-    """The authors' transform: Resize(size, bicubic) of the shortest side, CenterCrop(size),
-    OpenAI CLIP mean/std."""
+    """The authors' transform (torchvision on PIL images): Resize(size, bicubic) of the
+    shortest side, CenterCrop(size) (offset round((h - size) / 2)), OpenAI CLIP mean/std."""
     return ImagePreprocess(shortest_edge=image_size, resize_to=None,
                            crop=(image_size, image_size), mode="bicubic", mean=CLIP_MEAN,
-                           std=CLIP_STD)
+                           std=CLIP_STD, crop_rounding="round")
 
 
 ImageRewardHead = ScoreMLP  # ImageReward's head: the shared published MLP (`score_mlp`)

@@ -132,6 +132,13 @@ def build_reward(spec: str | Mapping, *, device: str | torch.device | None = Non
     return RewardMix(components, batch_size=batch_size)
 
 
+def check_reward_spec(spec: str | Mapping) -> None:
+    """Resolve every name of a reward spec (importing "module:name" modules) without building a
+    model: a misspelt reward is reported before anything heavy loads."""
+    for name, _ in parse_reward_spec(spec):
+        reward_factory(name)
+
+
 def as_reward_mix(reward: Reward | RewardMix, name: str = "reward") -> RewardMix:
     """A reward object (e.g. one a caller built itself) as a mix of one, named ``name``."""
     if isinstance(reward, RewardMix):

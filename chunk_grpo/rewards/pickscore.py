@@ -6,6 +6,10 @@ laion/CLIP-ViT-H-14-laion2B-s32B-b79K (224x224, bicubic shortest-side resize, ce
 OpenAI CLIP mean/std; prompts truncated to 77 tokens), the model yuvalkirstain/PickScore_v1, and
 
     score = exp(logit_scale) * cos(image embedding, text embedding)    (logit_scale.exp() ~ 100)
+
+The authors' processor is transformers' CLIPProcessor on PIL images: prompts go to its
+tokenizer.json tokenizer uncleaned (NFC, whitespace, lowercase only: no ftfy, no HTML
+unescaping), images are rounded to 8 bits, PIL-resized and cropped at (h - 224) // 2.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ class PickScore(ClipScore):
     (each a local directory or a hub id in the local cache)."""
 
     reward_name = "pickscore"
+    clean_text = None  # CLIPProcessor's tokenizer: no cleaning
+    crop_rounding = "floor"  # transformers' center_crop
 
     def __init__(self, model: str | os.PathLike = PICKSCORE_MODEL,
                  processor: str | os.PathLike | None = PICKSCORE_PROCESSOR, *,

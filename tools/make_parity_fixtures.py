@@ -1,0 +1,351 @@
+"""Golden fixtures from the reward and GRPO authors' own code, for tests/test_parity_*.py.
+
+The authors' packages cannot be installed beside this project's torch and transformers, so they
+live in a side virtual environment; this script builds it and, run again inside it, makes tiny
+random models in the authors' own classes, saves them in the authors' checkpoint layouts, scores
+fixed 8-bit images and prompts with the authors' scoring code, and writes everything into
+tests/fixtures/parity/. The regular tests load those files through the project's loaders and
+compare: CI needs no side environment.
+
+    python tools/make_parity_fixtures.py venv --venv /work/venvs/parity-authors
+    python tools/make_parity_fixtures.py generate --venv /work/venvs/parity-authors \\
+        --flow-grpo FLOW_GRPO/flow_grpo/diffusers_patch/sd3_sde_with_logprob.py \\
+        --dance-grpo DANCEGRPO/fastvideo/train_grpo_flux.py \\
+        --gcpo GCPO/fastvideo/train_grpo_flux_pickscore.py
+
+The three files are read from checkouts of github.com/yifan123/flow_grpo,
+github.com/XueZeyue/DanceGRPO and github.com/xingzhejun/GCPO (none is on PyPI); only the step
+function is taken from each (by name, with `ast`) and run. Every random draw is seeded: running
+`generate` again writes byte-identical files.
+
+Side environment (`venv`): torch 2.13.0 (CPU), torchvision 0.28.0, transformers 4.45.2 (hpsv3's
+pin), hpsv2 1.2.0, openai-clip 1.0.1 (OpenAI's `clip` package), diffusers (the scheduler Flow-GRPO's
+step takes). Two repairs, both outside the authors' code: hpsv2 1.2.0's wheel lacks its BPE file
+(bpe_simple_vocab_16e6.txt.gz), which is copied in from `clip` (the same file); and PyPI's
+torchvision is built against CUDA torch, so its C ops cannot load beside the CPU torch: the two
+operator names its import registers fakes for are declared first (no torchvision op is used).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "tests" / "fixtures" / "parity"
+SIDE_PACKAGES = [
+    "torch==2.13.0", "torchvision==0.28.0", "transformers==4.45.2", "diffusers==0.35.2",
+    "ftfy==6.3.1", "regex", "einops", "timm==0.6.13", "huggingface-hub<1", "pillow",
+    "numpy<2.3", "safetensors", "sentencepiece", "setuptools<81", "clint", "openai-clip==1.0.1",
+]
+NO_DEPS = ["hpsv2==1.2.0"]  # its other requirements (pytest pins, webdataset...) are unused
+
+# The inputs: 8-bit images of each kind the rewards see, and prompts that need cleaning.
+IMAGE_SIZES = {"square": (160, 160), "wide": (120, 200), "tall": (200, 136), "224": (224, 224)}
+PROMPTS = [
+    "a photo of a cat",
+    "Tom &amp; Jerry on a sofa",
+    "Van Gogh\u2019s \u201cStarry Night\u201d over a \ufb01eld",
+    "  lots   of\twhitespace\nhere ",
+    "caf\u0065\u0301 cr\u00e8me br\u00fbl\u00e9e, 4K",
+    " ".join(["a very long prompt about a red circle and a blue square"] * 12),
+]
+TEXT_WIDTH, VISION_WIDTH, EMBED = 8, 32, 16  # tiny towers; the text embedding is 49408 x 8
+
+
+def _run(cmd: list[str]) -> None:
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+
+
+def make_venv(venv: Path) -> None:
+    """The side environment with the authors' packages (see the module docstring)."""
+    if not (venv / "bin" / "python").exists():
+        _run([sys.executable, "-m", "venv", str(venv)])
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+    _run(pip + SIDE_PACKAGES)
+    _run(pip + ["--no-deps"] + NO_DEPS)
+    code = ("import clip, os, shutil, importlib.util as u; "
+            "src = os.path.join(os.path.dirname(clip.__file__), 'bpe_simple_vocab_16e6.txt.gz'); "
+            "dst = os.path.join(os.path.dirname(u.find_spec('hpsv2').origin), 'src', "
+            "'open_clip'); shutil.copy(src, dst)")
+    _run([str(venv / "bin" / "python"), "-c", code])
+
+
+def load_function(path: Path, name: str, namespace: dict):
+    """The top-level function `name` of the Python file `path`, executed alone in `namespace`
+    (the rest of the file, with its training-time imports, is not run)."""
+    source = path.read_text()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            exec(compile(ast.Module([node], []), str(path), "exec"), namespace)
+            return namespace[name]
+    raise SystemExit(f"{path} defines no top-level function {name!r}")
+
+
+# ---------------------------------------------------------------- inside the side environment
+
+
+def _side_imports():
+    import torch
+
+    for op in ("nms", "qnms"):  # see the module docstring: torchvision's C ops cannot load
+        torch.library.define(f"torchvision::{op}",
+                             "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    import torchvision  # noqa: F401
+
+
+def _images():
+    import torch
+
+    out = {}
+    for i, (name, (h, w)) in enumerate(IMAGE_SIZES.items()):
+        g = torch.Generator().manual_seed(100 + i)
+        x = torch.nn.functional.avg_pool2d(torch.rand(1, 3, h, w, generator=g), 5, 1, 2)
+        ramp = torch.linspace(0, 1, w).view(1, 1, 1, w)  # some structure across the image
+        out[name] = ((0.7 * x + 0.3 * ramp).clamp(0, 1) * 255).round().to(torch.uint8)[0]
+    return out
+
+
+def _pil(image):
+    from PIL import Image
+
+    return Image.fromarray(image.permute(1, 2, 0).numpy())
+
+
+def _vocab_files(directory: Path, bpe: Path) -> None:
+    """vocab.json + merges.txt of the CLIP BPE file, laid out as OpenAI's SimpleTokenizer
+    builds its table (the files of every transformers CLIP tokenizer)."""
+    import gzip
+
+    from clip.simple_tokenizer import bytes_to_unicode
+
+    merges = gzip.open(bpe).read().decode("utf-8").split("\n")[1:49152 - 256 - 2 + 1]
+    vocab = list(bytes_to_unicode().values())
+    vocab = vocab + [v + "</w>" for v in vocab] + ["".join(m.split()) for m in merges]
+    vocab += ["<|startoftext|>", "<|endoftext|>"]
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "vocab.json").write_text(json.dumps({t: i for i, t in enumerate(vocab)}))
+    (directory / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+
+
+def _hpsv2(out: Path, images, golden: dict) -> None:
+    """A tiny open_clip CLIP in hpsv2's own copy of open_clip, scored by `hpsv2.score`."""
+    import hpsv2.img_score as img_score
+    import torch
+    from hpsv2.src.open_clip import create_model_and_transforms, factory, get_tokenizer
+
+    factory._MODEL_CONFIGS["parity-tiny"] = {
+        "embed_dim": EMBED,
+        "vision_cfg": {"image_size": 224, "layers": 2, "width": VISION_WIDTH, "head_width": 16,
+                       "patch_size": 32},
+        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": TEXT_WIDTH,
+                     "heads": 2, "layers": 2},
+    }
+    torch.manual_seed(1)
+    # initialize_model()'s arguments, with the tiny model in place of the downloaded ViT-H-14.
+    model, _, preprocess_val = create_model_and_transforms(
+        "parity-tiny", None, precision="fp32", device="cpu", jit=False, force_quick_gelu=False,
+        force_custom_text=False, force_patch_dropout=False, force_image_size=None,
+        pretrained_image=False, image_mean=None, image_std=None, light_augmentation=True,
+        aug_cfg={}, output_dict=True, with_score_predictor=False, with_region_predictor=False)
+    with torch.no_grad():
+        for p in model.parameters():  # away from the init's zeros and ones
+            p.add_(0.02 * torch.randn_like(p))
+    (out / "hpsv2").mkdir(parents=True, exist_ok=True)
+    checkpoint = out / "hpsv2" / "HPS_v2.1_compressed.pt"
+    torch.save({"state_dict": {k: v.half() for k, v in model.state_dict().items()}}, checkpoint)
+    img_score.device = "cpu"
+    img_score.model_dict.update(model=model, preprocess_val=preprocess_val)
+    scores = [[float(img_score.score(_pil(images[name]), prompt, cp=str(checkpoint))[0])
+               for prompt in PROMPTS] for name in IMAGE_SIZES]
+    tokens = get_tokenizer("ViT-H-14")(PROMPTS)
+    golden["hpsv2"] = {"scores": scores, "input_ids": tokens.tolist()}
+
+
+def _hf_clip(out: Path, bpe: Path, images, golden: dict) -> None:
+    """A tiny transformers CLIPModel (the class PickScore, Flow-GRPO's aesthetic scorer and the
+    CLIP score run on): PickScore's processor/scoring, OpenAI clip's tokenizer and transform,
+    the LAION aesthetic head."""
+    import clip
+    import torch
+    from torch import nn
+    from transformers import (
+        AutoModel,
+        CLIPConfig,
+        CLIPImageProcessor,
+        CLIPModel,
+        CLIPProcessor,
+        CLIPTokenizerFast,
+    )
+
+    directory, processor_dir = out / "clip", Path(tempfile.mkdtemp()) / "processor"
+    torch.manual_seed(2)
+    config = CLIPConfig(
+        text_config=dict(vocab_size=49408, hidden_size=TEXT_WIDTH, intermediate_size=32,
+                         num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=77,
+                         bos_token_id=49406, eos_token_id=49407, pad_token_id=49407),
+        vision_config=dict(hidden_size=VISION_WIDTH, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=224, patch_size=32),
+        projection_dim=EMBED)
+    model = CLIPModel(config).eval()
+    with torch.no_grad():
+        model.logit_scale.fill_(3.0)
+    model.half().save_pretrained(directory)
+    model = AutoModel.from_pretrained(directory).eval()  # fp32, as the authors load it
+    # laion/CLIP-ViT-H-14's processor: its preprocessor_config.json, tokenizer from the BPE.
+    CLIPImageProcessor(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224},
+                       image_mean=[0.48145466, 0.4578275, 0.40821073],
+                       image_std=[0.26862954, 0.26130258, 0.27577711]).save_pretrained(directory)
+    _vocab_files(processor_dir, bpe)
+    CLIPTokenizerFast(processor_dir / "vocab.json", processor_dir / "merges.txt",
+                      model_max_length=77).save_pretrained(processor_dir)
+    shutil.copy(directory / "preprocessor_config.json", processor_dir)
+    # AutoProcessor.from_pretrained(laion's repo) is this CLIPProcessor (the repo's config.json
+    # names the class; the processor files here have none).
+    processor = CLIPProcessor.from_pretrained(processor_dir)
+    pil = [_pil(images[name]) for name in IMAGE_SIZES]
+
+    def unit(x):
+        return x / x.norm(p=2, dim=-1, keepdim=True)
+
+    with torch.no_grad():
+        # PickScore's inference code (its README; Flow-GRPO's scorer before its / 26).
+        image_inputs = processor(images=pil, padding=True, truncation=True, max_length=77,
+                                 return_tensors="pt")
+        text_inputs = processor(text=PROMPTS, padding=True, truncation=True, max_length=77,
+                                return_tensors="pt")
+        image_embs = unit(model.get_image_features(**image_inputs))
+        text_embs = unit(model.get_text_features(**text_inputs))
+        pick = model.logit_scale.exp() * image_embs @ text_embs.T
+        hf_ids = processor.tokenizer(PROMPTS, padding="max_length", truncation=True,
+                                     max_length=77)["input_ids"]
+        # CLIP score with OpenAI clip's tokenizer and transform on the same CLIPModel.
+        transform = clip.clip._transform(224)
+        pixels = torch.stack([transform(p) for p in pil])
+        ids = clip.tokenize(PROMPTS, truncate=True)
+        clip_image = unit(model.get_image_features(pixel_values=pixels))
+        clip_text = unit(model.get_text_features(input_ids=ids))
+        clip_scores = model.logit_scale.exp() * clip_image @ clip_text.T
+        # The LAION improved aesthetic predictor: its MLP(input_size) on the unit embedding.
+        torch.manual_seed(3)
+        head = nn.Module()
+        head.layers = nn.Sequential(
+            nn.Linear(EMBED, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2),
+            nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1))
+        torch.save({k: v.half() for k, v in head.state_dict().items()},
+                   directory / "sac+logos+ava1-l14-linearMSE.pth")
+        head.load_state_dict(torch.load(directory / "sac+logos+ava1-l14-linearMSE.pth"))
+        head.eval()
+        aesthetic = head.layers(image_embs).squeeze(1)
+    shutil.rmtree(processor_dir.parent)
+    golden["pickscore"] = {"scores": pick.tolist(), "input_ids": hf_ids}
+    golden["clip"] = {"scores": clip_scores.tolist(), "input_ids": ids.tolist()}
+    golden["aesthetic"] = {"scores": aesthetic.tolist()}
+
+
+def _compat(out: Path, flow_grpo: Path, dance_grpo: Path, gcpo: Path) -> None:
+    """Each project's step function on fixed fp32 inputs with a given prev_sample: log-probs and
+    the gradients of their sum with respect to the model output and the latents."""
+    import math
+    from typing import Optional, Union
+
+    import torch
+    from diffusers.schedulers.scheduling_flow_match_euler_discrete import (
+        FlowMatchEulerDiscreteScheduler,
+    )
+    from diffusers.utils.torch_utils import randn_tensor
+
+    namespace = {"torch": torch, "math": math, "Optional": Optional, "Union": Union,
+                 "randn_tensor": randn_tensor,
+                 "FlowMatchEulerDiscreteScheduler": FlowMatchEulerDiscreteScheduler}
+    functions = {
+        "sde_step_with_logprob": load_function(flow_grpo, "sde_step_with_logprob", namespace),
+        "flux_step": load_function(dance_grpo, "flux_step", namespace),
+        "flow_grpo_step": load_function(gcpo, "flow_grpo_step", namespace),
+    }
+    g = torch.Generator().manual_seed(4)
+    shape = (3, 4, 4, 8)  # [B, C, H, W]: Flow-GRPO views sigma as [B, 1, 1, 1]
+    x, v, e = (torch.randn(shape, generator=g) for _ in range(3))
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    scheduler.set_timesteps(10)
+    sigmas = scheduler.sigmas.clone()
+    golden = {"latents": x, "model_output": v, "noise": e, "sigmas": sigmas,
+              "timesteps": scheduler.timesteps.clone(), "eta": 0.7, "cases": {}}
+    for name, fn in functions.items():
+        for index in (0, 4, 8):
+            xs, vs = x.clone().requires_grad_(), v.clone().requires_grad_()
+            # A prev_sample near the step's own mean: the step of the ODE plus noise.
+            s, s_next = sigmas[index], sigmas[index + 1]
+            prev = (x + (s_next - s) * v + 0.3 * math.sqrt(s - s_next) * e).detach()
+            if name == "sde_step_with_logprob":
+                timestep = scheduler.timesteps[[index] * shape[0]]
+                result = fn(scheduler, vs, timestep, xs, noise_level=0.7, prev_sample=prev)
+                log_prob = result[1]
+            else:
+                extra = {"grpo": True, "sde_solver": True} if name == "flux_step" else {}
+                result = fn(vs, xs, 0.7, sigmas, index, prev, **extra)
+                log_prob = result[2]
+            grad_v, grad_x = torch.autograd.grad(log_prob.sum(), (vs, xs))
+            golden["cases"][f"{name}/{index}"] = {
+                "prev_sample": prev, "log_prob": log_prob.detach(), "grad_model_output": grad_v,
+                "grad_latents": grad_x}
+    torch.save(golden, out / "compat.pt")
+
+
+def side_generate(args) -> None:
+    _side_imports()
+    import clip
+    import torch
+
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    bpe = out / "bpe_simple_vocab_16e6.txt.gz"
+    shutil.copy(Path(clip.__file__).parent / "bpe_simple_vocab_16e6.txt.gz", bpe)
+    images = _images()
+    torch.save(images, out / "images.pt")
+    golden = {"prompts": PROMPTS, "images": list(IMAGE_SIZES)}
+    _hpsv2(out, images, golden)
+    _hf_clip(out, bpe, images, golden)
+    (out / "golden.json").write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
+    _compat(out, Path(args.flow_grpo), Path(args.dance_grpo), Path(args.gcpo))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    venv = sub.add_parser("venv", help="build the side environment")
+    venv.add_argument("--venv", type=Path, required=True)
+    for name in ("generate", "_side"):
+        gen = sub.add_parser(name, help="write tests/fixtures/parity" if name == "generate"
+                             else argparse.SUPPRESS)
+        gen.add_argument("--venv", type=Path, required=name == "generate")
+        gen.add_argument("--flow-grpo", required=True, help="flow_grpo's sd3_sde_with_logprob.py")
+        gen.add_argument("--dance-grpo", required=True, help="DanceGRPO's train_grpo_flux.py")
+        gen.add_argument("--gcpo", required=True, help="GCPO's train_grpo_flux_pickscore.py")
+        gen.add_argument("--out", default=str(OUT))
+    args = parser.parse_args(argv)
+    if args.command == "venv":
+        make_venv(args.venv)
+    elif args.command == "generate":
+        env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
+        cmd = [str(args.venv / "bin" / "python"), str(Path(__file__).resolve()), "_side",
+               "--flow-grpo", str(Path(args.flow_grpo).resolve()),
+               "--dance-grpo", str(Path(args.dance_grpo).resolve()),
+               "--gcpo", str(Path(args.gcpo).resolve()), "--out", str(Path(args.out).resolve())]
+        print("+", " ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True, env=env, cwd="/")
+    else:
+        side_generate(args)
+
+
+if __name__ == "__main__":
+    main()
