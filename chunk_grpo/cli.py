@@ -84,8 +84,8 @@ _ONE_LINE_ERRORS = (
     ("chunk_grpo.checkpoint", "CheckpointError"),
     ("chunk_grpo.checkpoint", "DiskFullError"),
     ("chunk_grpo.run_lock", "RunLockedError"),
-    ("chunk_grpo.train", "TrainingDiverged"),
-    ("chunk_grpo.train", "NothingTrained"),
+    ("chunk_grpo.errors", "TrainingDiverged"),
+    ("chunk_grpo.errors", "NothingTrained"),
 )
 
 

@@ -23,3 +23,13 @@ class Terminated(KeyboardInterrupt):
 def interruption(err: KeyboardInterrupt) -> tuple[str, int]:
     """What stopped a command, as said in its message, and its exit status."""
     return ("SIGTERM", 143) if isinstance(err, Terminated) else ("Ctrl-C", 130)
+
+
+# The trainer's own: defined here, not in train.py, which `python -m chunk_grpo.train` runs as
+# __main__, where the command runner would not find them.
+class TrainingDiverged(RuntimeError):
+    """Too many consecutive iterations with NaN/Inf rewards, losses or gradients."""
+
+
+class NothingTrained(RuntimeError):
+    """A run ended without a single optimizer step; the message says why."""

@@ -52,7 +52,7 @@ from chunk_grpo.config import (
     parse_args,
     save_config,
 )
-from chunk_grpo.errors import interruption
+from chunk_grpo.errors import NothingTrained, TrainingDiverged, interruption
 from chunk_grpo.memory_plan import check_plan
 from chunk_grpo.metrics import reward_captions, save_image_grid
 from chunk_grpo.parallelize import any_rank, clip_grad_norm, sync_gradients
@@ -86,15 +86,6 @@ from chunk_grpo.trainer_setup import (
     read_prompt_sets,
     resolve_reward,
 )
-
-
-class TrainingDiverged(RuntimeError):
-    """Too many consecutive iterations with NaN/Inf rewards, losses or gradients."""
-
-
-class NothingTrained(RuntimeError):
-    """A run ended without a single optimizer step; the message says why."""
-
 
 # ----------------------------------------------------------------------------- one iteration
 
