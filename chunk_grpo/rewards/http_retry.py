@@ -14,11 +14,12 @@ from urllib.parse import urlsplit
 
 class RetriesExhausted(Exception):
     """Every attempt failed to connect, timed out or got a retryable status; ``last`` says how
-    the last one failed, ``kind`` which way: "connection", "timeout" or "status"."""
+    the last one failed, ``kind`` which way: "connection", "timeout" or "status" (then
+    ``status`` is that HTTP status)."""
 
-    def __init__(self, attempts: int, last: str, kind: str):
+    def __init__(self, attempts: int, last: str, kind: str, status: int | None = None):
         super().__init__(f"{attempts} attempts (last: {last})")
-        self.attempts, self.last, self.kind = attempts, last, kind
+        self.attempts, self.last, self.kind, self.status = attempts, last, kind, status
 
 
 def split_http_url(url: str) -> tuple[str, str, int | None, str] | None:
@@ -57,18 +58,18 @@ def with_retries(attempt: Callable[[], tuple[int, bytes]], *, retries: int, back
     """The first answer of ``attempt()`` whose status is not in ``retry_statuses``; a connection
     error, a timeout or such a status is tried again up to ``retries`` times, after
     ``backoff``, 2 ``backoff``, 4 ``backoff``... seconds. Then RetriesExhausted."""
-    last, kind = "", "connection"
+    last, kind, status = "", "connection", None
     for index in range(retries + 1):
         if index:
             time.sleep(backoff * 2 ** (index - 1))
         try:
             status, data = attempt()
         except (OSError, http.client.HTTPException) as err:
-            last = f"{type(err).__name__}: {err}"
+            last, status = f"{type(err).__name__}: {err}", None
             kind = "timeout" if isinstance(err, TimeoutError) else "connection"
             continue
         if status in retry_statuses:
             last, kind = f"HTTP {status}", "status"
             continue
         return status, data
-    raise RetriesExhausted(retries + 1, last, kind)
+    raise RetriesExhausted(retries + 1, last, kind, status)
