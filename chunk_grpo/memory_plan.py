@@ -563,7 +563,8 @@ def _phases(s: PlanSettings, sizes: ModelSizes) -> tuple[list[PlanRow], list[Pha
     load_text = text_all if s.text_encoders == "cache" else text
     load_host = in_tensor if fsdp else 4 * trainable + frozen * shard
     if quantized is not None:  # the transformer read on the CPU, quantized layer by layer
-        load_host = 4 * trainable + wbytes * sizes.transformer - (0 if cuda else frozen)
+        # (its memory-mapped checkpoint pages stay mapped until every layer is quantized)
+        load_host = 4 * trainable + wbytes * sizes.transformer
     out = [phase("load", [*loaded[:3], ("text encoders", load_text), *loaded[4:],
                           ("one full tensor in flight", in_tensor if fsdp else 0),
                           ("one weight quantized in flight", wbytes * quantized.largest
@@ -649,10 +650,12 @@ def _quantized_export(s: PlanSettings, sizes: ModelSizes, quantized, held: list,
     """Export of a quantized base (`quantize.dequantized_transformer`): each layer dequantized
     to fp32 on the device, its LoRA delta added, the sum cast to bf16 into the CPU copy; text
     encoders reloaded on the CPU when they were freed after caching."""
-    in_flight = 3 * 4 * quantized.largest  # dequantized weight, LoRA delta, their sum (fp32)
+    # the largest layer (an unadapted AdaLN projection) dequantized to fp32 before its cast;
+    # an adapted layer's fp32 weight, delta and sum are smaller (the attention projections)
+    in_flight = 4 * quantized.largest
     plain = 2 * sizes.transformer
     where = "the device" if s.device == "cuda" else "the CPU"
-    return phase("export", [*held, ("one weight dequantized and merged (fp32)", in_flight)],
+    return phase("export", [*held, ("one weight dequantized (fp32)", in_flight)],
                  rank_host=plain + text_reload,
                  note=f"dequantized layer by layer on {where}, LoRA merged, bf16 copy on the "
                       f"CPU ({plain / GB:.1f} GB) saved")

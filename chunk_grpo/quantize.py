@@ -116,6 +116,13 @@ def quantize_base(transformer: nn.Module, kind: str, *, compute_dtype: torch.dty
         setattr(parent, name, quantize_linear(linear, kind, compute_dtype, device))
         del linear
     nn.Module.to(transformer, device)  # the root and the norms (diffusers' `to` would warn)
+    if torch.device(device).type == "cpu":
+        # The weights kept as loaded are views of the checkpoint's memory map, which would keep
+        # every page of the file read while quantizing resident: give them their own memory.
+        with torch.no_grad():
+            for tensor in [*transformer.parameters(), *transformer.buffers()]:
+                if tensor.dtype.is_floating_point:
+                    tensor.data = tensor.data.clone()
     setattr(transformer, _PEFT_FLAGS[kind], True)
     return len(layers)
 

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 from safetensors import safe_open
-from trainer_utils import tiny_config, tiny_model_dir
+from trainer_utils import tiny_config, tiny_model_dir, velocities
 
 from chunk_grpo.checkpoint import latest_checkpoint
 from chunk_grpo.config import ConfigError, build_config
@@ -127,14 +127,8 @@ def test_nf4_lora_run_trains_and_exports_the_dequantized_merged_base(tmp_path, m
                 module.lora_B["default"].weight @ module.lora_A["default"].weight)
             torch.testing.assert_close(state[name + ".weight"].float(), want.detach(),
                                        rtol=1e-2, atol=1e-3)
-    base = FluxPolicy.from_pretrained(model_dir)
-    x = trained.initial_noise(2, torch.Generator().manual_seed(0))
-    emb = trained.encode_prompts(["a red circle", "two blue squares"])
-    sigma = torch.tensor([0.7, 0.4])
-    with torch.no_grad():
-        v_trained = trained.velocity(x, sigma, emb)
-        v_exported = exported.velocity(x, sigma, emb)
-        v_base = base.velocity(x, sigma, emb)
+    v_trained, v_exported, v_base = velocities(trained, exported,
+                                               FluxPolicy.from_pretrained(model_dir))
     # bf16 storage of the merged weights: equal to the trained model to bf16's resolution
     assert float((v_exported - v_trained).norm() / v_trained.norm()) < 2e-2
     assert float((v_base - v_trained).norm() / v_trained.norm()) > \
