@@ -83,9 +83,9 @@ def write_model(directory: Path, doubles: int, singles: int) -> Path:
     return directory
 
 
-def write_config(tmp: Path, model: Path, grad_accum: int) -> Path:
-    """The preset with the CPU's departures (module docstring)."""
-    cfg = yaml.safe_load(PRESET.read_text())
+def write_config(tmp: Path, model: Path, grad_accum: int, preset: Path = PRESET) -> Path:
+    """``preset`` with the CPU's departures (module docstring)."""
+    cfg = yaml.safe_load(preset.read_text())
     (tmp / "train.txt").write_text("\n".join(TRAIN_PROMPTS) + "\n")
     (tmp / "eval.txt").write_text("\n".join(EVAL_PROMPTS) + "\n")
     cfg["model"].update(name=str(model), height=SIZE, width=SIZE,

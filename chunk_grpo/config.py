@@ -49,6 +49,8 @@ class ModelConfig:
     compile_blocks: bool = False  # torch.compile each transformer block
     lora_rank: int = 8  # 0 = full fine-tuning
     lora_alpha: float | None = None  # None = lora_rank
+    # LoRA's frozen base in 4 or 8 bits (QLoRA, bitsandbytes; chunk_grpo.quantize)
+    base_quantization: str = "none"  # none | nf4 | int8
     # a preset (attention | attention+text | all: chunk_grpo.specs.LORA_PRESETS) or module names
     lora_targets: list[str] = field(default_factory=lambda: ["attention+text"])
     guidance: float | None = None  # FLUX.1-dev's distilled guidance; None = the model's default

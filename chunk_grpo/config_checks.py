@@ -7,6 +7,7 @@ their flags before loading a model). Each message names the key as the user wrot
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import re
 from collections.abc import Callable
@@ -42,6 +43,7 @@ CHOICES = {
     "parallel.reduce_dtype": ("fp32", "bf16"),
     "model.weights_dtype": ("auto", "fp32", "bf16"),
     "model.text_encoders": ("keep", "cache", "cpu"),
+    "model.base_quantization": ("none", "nf4", "int8"),
 }
 _AT_LEAST_ONE = ("sampling.steps", "sampling.group_size", "sampling.prompts_per_step",
                  "sampling.batch_size", "optim.micro_batch_size", "optim.ppo_epochs",
@@ -109,6 +111,27 @@ def check_config(cfg: TrainConfig, name: Callable[[str], str]) -> None:
                           f"ranks wait for each other), got {cfg.parallel.timeout_minutes}; "
                           "e.g. 60")
     _check_specs(cfg, name)
+    _check_quantization(cfg, name)
+
+
+def _check_quantization(cfg: TrainConfig, name: Callable[[str], str]) -> None:
+    """A quantized base is QLoRA: adapters on frozen bitsandbytes layers, never sharded."""
+    kind = cfg.model.base_quantization
+    if kind == "none":
+        return
+    key = name("model.base_quantization")
+    if cfg.model.lora_rank == 0:
+        raise ConfigError(f"{key} {kind} needs {name('model.lora_rank')} > 0: the quantized "
+                          f"base is frozen and only LoRA adapters train on it (QLoRA); set "
+                          f"e.g. {name('model.lora_rank')}: 64, or {key}: none")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError(f"{key} {kind} needs bitsandbytes: pip install bitsandbytes, or set "
+                          f"{key}: none")
+    if cfg.parallel.mode == "fsdp":
+        raise ConfigError(f"{key} {kind} cannot be sharded with {name('parallel.mode')}: fsdp "
+                          f"(FSDP2 shards parameters as DTensors, which drops bitsandbytes' "
+                          f"quantized weight class and its quantization state); use "
+                          f"{name('parallel.mode')}: none on one GPU or ddp")
 
 
 def _check_numbers(cfg: TrainConfig, name: Callable[[str], str]) -> None:

@@ -70,6 +70,7 @@ from chunk_grpo.plan_models import (
     reward_parameter_counts,
     transformer_blocks,
 )
+from chunk_grpo.plan_quantized import dequantized_bytes, quantized_base_bytes, quantized_layers
 from chunk_grpo.precision import resolve_mixed_precision
 
 GB = 1e9
@@ -122,6 +123,7 @@ class PlanSettings:
     profile_rows: int = 0  # prompts of the temporal profile per batch (0: no profile)
     reward_batch: int = 0  # images per reward call (0: a rollout batch)
     eval_rows: int = 0  # evaluation images per rank
+    base_quantization: str = "none"  # LoRA's frozen base: none | nf4 | int8 (bitsandbytes)
 
     @property
     def shard(self) -> int:
@@ -312,7 +314,8 @@ def settings_from_config(cfg: TrainConfig, world_size: int, device: str | None =
         reduce_dtype=getattr(cfg.parallel, "reduce_dtype", "fp32"),
         gpus_per_node=gpus_per_node or min(world_size, 8), profile_rows=_profile_rows(cfg),
         reward_batch=min(cfg.reward.batch_size or cfg.sampling.batch_size, rows),
-        eval_rows=math.ceil(max(cfg.eval.images, cfg.eval.final_images) / world_size))
+        eval_rows=math.ceil(max(cfg.eval.images, cfg.eval.final_images) / world_size),
+        base_quantization=cfg.model.base_quantization if cfg.model.lora_rank > 0 else "none")
 
 
 # ----------------------------------------------------------------------------- sizes
@@ -385,6 +388,9 @@ def _call_precision(s: PlanSettings) -> CallPrecision:
     if s.parallelism == "fsdp":
         compute = _TORCH_DTYPES[s.compute_dtype]
         return CallPrecision(trainable=compute, frozen=compute, autocast=autocast)
+    if s.base_quantization != "none":  # dequantized to the compute dtype, nothing cast
+        return CallPrecision(trainable=torch.float32, frozen=_TORCH_DTYPES[s.compute_dtype],
+                             autocast=autocast)
     return CallPrecision(trainable=torch.float32, frozen=_TORCH_DTYPES[s.weights_dtype],
                          autocast=autocast)
 
@@ -455,10 +461,21 @@ def _phases(s: PlanSettings, sizes: ModelSizes) -> tuple[list[PlanRow], list[Pha
                      f"{opt_bytes:.2f} B/param, {split}, from the first step", home)
     ema = part("EMA of the trainable weights", 4 * trainable / shard if s.ema else 0,
                f"fp32, {split}" if s.ema else "ema_decay: 0")
-    frozen = part(f"frozen weights ({s.weights_dtype})",
-                  wbytes * sizes.transformer / shard if lora else 0,
-                  "the base under LoRA" if lora else "none: every weight is trained",
-                  home if lora else device)
+    quantized = quantized_layers(s.model) if s.base_quantization != "none" else None
+    if quantized is not None:
+        frozen = part(f"frozen weights ({s.base_quantization} base)",
+                      quantized_base_bytes(quantized, s.base_quantization, wbytes),
+                      f"{quantized.weights / 1e9:.2f}B in {s.base_quantization} (bitsandbytes), "
+                      f"{(quantized.rest + quantized.biases) / 1e9:.2f}B in {s.weights_dtype}")
+    else:
+        frozen = part(f"frozen weights ({s.weights_dtype})",
+                      wbytes * sizes.transformer / shard if lora else 0,
+                      "the base under LoRA" if lora else "none: every weight is trained",
+                      home if lora else device)
+    dequant = part("dequantized weight in flight",
+                   dequantized_bytes(quantized, cbytes) if quantized else 0,
+                   f"the largest quantized layer in {s.compute_dtype}, one at a time"
+                   if quantized else "no quantized base")
     if not s.hybrid_base or lora:
         base = part("hybrid-evaluation base", 0, "eval_hybrid_steps: 0" if not s.hybrid_base
                     else "the same weights with the adapters disabled")
@@ -544,9 +561,15 @@ def _phases(s: PlanSettings, sizes: ModelSizes) -> tuple[list[PlanRow], list[Pha
     page_cache = [("transformer checkpoint page cache", files["transformer"]),
                   ("text encoder + VAE page cache", files["text_encoders"] + files["vae"])]
     load_text = text_all if s.text_encoders == "cache" else text
+    load_host = in_tensor if fsdp else 4 * trainable + frozen * shard
+    if quantized is not None:  # the transformer read on the CPU, quantized layer by layer
+        # (its memory-mapped checkpoint pages stay mapped until every layer is quantized)
+        load_host = 4 * trainable + wbytes * sizes.transformer
     out = [phase("load", [*loaded[:3], ("text encoders", load_text), *loaded[4:],
-                          ("one full tensor in flight", in_tensor if fsdp else 0)],
-                 page_cache, in_tensor if fsdp else 4 * trainable + frozen * shard,
+                          ("one full tensor in flight", in_tensor if fsdp else 0),
+                          ("one weight quantized in flight", wbytes * quantized.largest
+                           if quantized and cuda else 0)],
+                 page_cache, load_host,
                  "policy on meta, sharded, each rank filling its shards; then the reward")]
     encoding = 2 * PROMPT_CACHE_BATCH * s.text_tokens * (
         sizes.configs.text_encoder_2.get("d_ff", 0) * wbytes)
@@ -560,6 +583,7 @@ def _phases(s: PlanSettings, sizes: ModelSizes) -> tuple[list[PlanRow], list[Pha
     if s.profile_rows:
         profile_buffers = s.profile_rows * (s.num_steps + 1) * tokens * channels * 4
         out.append(phase("profile", [*loaded, ("FSDP unsharded blocks", unsharded),
+                                     ("dequantized weight", dequant),
                                      ("activations (no-grad call)", sampling_call(
                                          s.profile_rows)),
                                      ("profile latents", profile_buffers)],
@@ -568,6 +592,7 @@ def _phases(s: PlanSettings, sizes: ModelSizes) -> tuple[list[PlanRow], list[Pha
         out.append(phase("profile", [], note="no temporal profile (fixed, unweighted chunks)"))
     out.append(phase("rollout", [*held, ("rollout buffers", buffers),
                                  ("FSDP unsharded blocks", unsharded),
+                                 ("dequantized weight", dequant),
                                  ("activations (sampling call)", roll_acts)],
                      note=f"{s.rollout_rows} rows in batches of {s.rollout_batch_size}"))
     reward_batch = s.reward_batch * pixels
@@ -578,10 +603,12 @@ def _phases(s: PlanSettings, sizes: ModelSizes) -> tuple[list[PlanRow], list[Pha
     out.append(phase("train", [*held, ("rollout buffers", buffers), ("gradients", gradients),
                                ("gradient in flight / buckets", grad_work),
                                ("FSDP unsharded blocks", unsharded),
+                               ("dequantized weight", dequant),
                                ("activations (training call)", train_acts)],
                      note=f"micro-batch {s.micro_batch_size}, reduce_dtype {s.reduce_dtype}"))
     eval_batch = min(s.rollout_batch_size, max(1, s.eval_rows))
     out.append(phase("eval", [*held, ("FSDP unsharded blocks", unsharded),
+                              ("dequantized weight", dequant),
                               ("activations (sampling call)", sampling_call(eval_batch))],
                      rank_host=s.eval_rows * pixels,
                      note="no grad; the hybrid base resident" if base else "no grad"))
@@ -604,6 +631,10 @@ def _phases(s: PlanSettings, sizes: ModelSizes) -> tuple[list[PlanRow], list[Pha
         out.append(phase("checkpoint", [*held, ("trained weights cloned", 4 * trainable)],
                          rank_host=4 * sizes.largest_tensor,
                          note="one file: the trained weights cloned, saved tensor by tensor"))
+        if quantized is not None:
+            out.append(_quantized_export(s, sizes, quantized, held, phase,
+                                         text_all if s.text_encoders == "cache" else 0))
+            return rows, out
         copy = wbytes * sizes.transformer
         out.append(phase("export", [*held, ("deep copy of the transformer", 4 * trainable
                                             + (copy if lora else 0))],
@@ -612,6 +643,22 @@ def _phases(s: PlanSettings, sizes: ModelSizes) -> tuple[list[PlanRow], list[Pha
                             if lora else []),
                          note="one process: a deep copy on the device, cast, saved from there"))
     return rows, out
+
+
+def _quantized_export(s: PlanSettings, sizes: ModelSizes, quantized, held: list, phase,
+                      text_reload: float) -> PhasePlan:
+    """Export of a quantized base (`quantize.dequantized_transformer`): each layer dequantized
+    to fp32 on the device, its LoRA delta added, the sum cast to bf16 into the CPU copy; text
+    encoders reloaded on the CPU when they were freed after caching."""
+    # the largest layer (an unadapted AdaLN projection) dequantized to fp32 before its cast;
+    # an adapted layer's fp32 weight, delta and sum are smaller (the attention projections)
+    in_flight = 4 * quantized.largest
+    plain = 2 * sizes.transformer
+    where = "the device" if s.device == "cuda" else "the CPU"
+    return phase("export", [*held, ("one weight dequantized (fp32)", in_flight)],
+                 rank_host=plain + text_reload,
+                 note=f"dequantized layer by layer on {where}, LoRA merged, bf16 copy on the "
+                      f"CPU ({plain / GB:.1f} GB) saved")
 
 
 def _assumptions(s: PlanSettings, sizes: ModelSizes) -> list[str]:
@@ -633,6 +680,13 @@ def _assumptions(s: PlanSettings, sizes: ModelSizes) -> list[str]:
         out.append(f"CUDA context/workspace allowance {CUDA_CONTEXT_BYTES / GB:.0f} GB")
     if s.parallelism == "fsdp" and s.cpu_offload:
         out.append("cpu_offload: weights, gradients and optimizer state on the CPU")
+    if s.base_quantization != "none":
+        out.append(f"{s.base_quantization} base: the blocks' linear layers quantized by "
+                   f"bitsandbytes (chunk_grpo.plan_quantized), loaded in {s.weights_dtype} on "
+                   f"the CPU and quantized layer by layer onto the device; activations measured "
+                   f"with the frozen weights in the compute dtype"
+                   + ("; int8's activation-sized int8/int32 temporaries not counted"
+                      if s.base_quantization == "int8" else ""))
     return out
 
 
@@ -664,6 +718,8 @@ def _levers(s: PlanSettings) -> list[tuple[str, PlanSettings]]:
         out.append((f"lora_rank: {LORA_LEVER_RANK}", dataclasses.replace(
             s, lora_rank=LORA_LEVER_RANK,
             lora_targets=s.lora_targets or ("to_q", "to_k", "to_v", "to_out.0"))))
+    if s.lora_rank > 0 and s.base_quantization == "none" and s.parallelism != "fsdp":
+        out.append(("base_quantization: nf4", dataclasses.replace(s, base_quantization="nf4")))
     if s.optimizer == "adamw":
         out.append(("optimizer: adamw8bit", dataclasses.replace(s, optimizer="adamw8bit")))
     if not s.gradient_checkpointing:
@@ -741,7 +797,8 @@ def format_plan(plan: Plan, parts: bool = True) -> str:
              f"{plan.gpu_bytes / GB:.0f} GB ({s.device}, {s.ranks_per_node} per node), "
              f"parallelism {s.parallelism}"
              f"{' + cpu_offload' if s.cpu_offload and s.parallelism == 'fsdp' else ''}, "
-             f"{'LoRA r=' + str(s.lora_rank) if s.lora_rank else 'full fine-tuning'}, "
+             f"{'LoRA r=' + str(s.lora_rank) if s.lora_rank else 'full fine-tuning'}"
+             f"{'' if s.base_quantization == 'none' else f' on a {s.base_quantization} base'}, "
              f"{s.optimizer}",
              f"model configs: {plan.source}", ""]
     if parts:

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from chunk_grpo.parallelize import local_rows
+from chunk_grpo.quantize import dequantized_transformer, quantization_of
 from chunk_grpo.specs import LORA_PRESETS, lora_target_modules, preset_name
 from chunk_grpo.weights_dtype import keep_trainable_fp32
 
@@ -159,6 +160,10 @@ def export_pipeline(pipeline, transformer: torch.nn.Module, out_dir: str | Path,
     e.g. bf16 for FLUX.1-dev's own format) as a diffusers directory. ``copy_weights`` False
     casts ``transformer`` itself (a gathered copy the caller drops): no second copy in memory.
 
+    A quantized base (`chunk_grpo.quantize`) is dequantized, the LoRA merged into it in fp32,
+    and saved in bf16 whatever ``dtype`` says (FLUX.1-dev's own format; the 4-bit codes carry
+    no more precision than that).
+
     ``defaults`` (the model's SamplingDefaults) is saved with it, so evaluation samples the
     exported model exactly as the base. Written to a temporary directory, then moved into place.
     """
@@ -166,7 +171,10 @@ def export_pipeline(pipeline, transformer: torch.nn.Module, out_dir: str | Path,
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    plain = merged_transformer(transformer, copy_weights).eval()
+    if quantization_of(transformer) != "none":  # the base dequantized, LoRA merged, bf16
+        plain, dtype = dequantized_transformer(transformer, torch.bfloat16), None
+    else:
+        plain = merged_transformer(transformer, copy_weights).eval()
     if dtype is not None:
         plain = plain.to(dtype)
     original = pipeline.transformer

@@ -41,6 +41,7 @@ from chunk_grpo.policy_update import LossSettings, optimizer_steps_per_iteration
 from chunk_grpo.precision import resolve_mixed_precision
 from chunk_grpo.prompt_cache import text_encoder_device
 from chunk_grpo.prompts import PromptSet, check_prompts, load_prompt_set
+from chunk_grpo.quantize import quantize_base
 from chunk_grpo.rewards import build_reward, get_reward
 from chunk_grpo.rewards.mix import RewardMix, as_reward_mix, check_reward_spec
 from chunk_grpo.rewards.outputs import RewardError
@@ -184,10 +185,12 @@ def load_policy(cfg: TrainConfig, device: torch.device,
     instead of loading it, see `FluxPolicy.from_pretrained`)."""
     # Frozen parts in weights_dtype, the text encoders where `text_encoders` puts them.
     dtype, frozen_dtype = load_dtypes(cfg.model.weights_dtype, device, cfg.model.lora_rank)
+    # a quantized base loads on the CPU and is quantized layer by layer onto the device
+    quantized = cfg.model.base_quantization != "none"
     policy = FluxPolicy.from_pretrained(
         model_path(cfg.model.name), device=device, dtype=dtype, frozen_dtype=frozen_dtype,
         text_encoder_device=text_encoder_device(cfg.model.text_encoders, device),
-        transformer=transformer)
+        transformer=transformer, transformer_device="cpu" if quantized else None)
     try:
         apply_sampling_size(policy, cfg.model.height, cfg.model.width,
                             source=model_path(cfg.model.name),
@@ -228,6 +231,14 @@ class PolicySetup:
     base: object = None  # the base for hybrid evaluation, None without it
 
 
+def quantized_compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
+    """The dtype a quantized layer dequantizes to and computes in: bf16 under bf16 mixed
+    precision, else the frozen weights' dtype."""
+    if resolve_mixed_precision(cfg.model.mixed_precision, device).mode == "bf16":
+        return torch.bfloat16
+    return resolve_weights_dtype(cfg.model.weights_dtype, device)
+
+
 def sharded_loading(cfg: TrainConfig) -> bool:
     """Whether the transformer loads straight into FSDP shards (`chunk_grpo.sharded_load`):
     under parallel.mode fsdp with a process group; otherwise it loads whole, as before."""
@@ -247,6 +258,9 @@ def build_policy(cfg: TrainConfig, info: D.DistInfo) -> PolicySetup:
         meta = meta_transformer(model_dir, load_dtypes(model.weights_dtype, info.device,
                                                        model.lora_rank)[0])
     policy = load_checked_policy(cfg, info.device, meta)
+    if model.base_quantization != "none":  # before the adapters: peft wraps the quantized layers
+        quantize_base(policy.transformer, model.base_quantization,
+                      compute_dtype=quantized_compute_dtype(cfg, info.device), device=info.device)
     prepare_transformer(
         policy.transformer, lora_rank=model.lora_rank, lora_alpha=model.lora_alpha,
         lora_targets=model.lora_targets, gradient_checkpointing=model.gradient_checkpointing,

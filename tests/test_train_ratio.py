@@ -1,5 +1,6 @@
 """On-policy the importance ratio is exactly 1 (fp32 and bf16 autocast, with activation
-checkpointing), whatever the batch layout of rollout and training calls."""
+checkpointing; full fine-tuning and LoRA on an NF4 base), whatever the batch layout of rollout
+and training calls."""
 
 
 import pytest
@@ -17,14 +18,27 @@ from chunk_grpo.policy_update import (
     chunk_logprobs,
     plan_units,
 )
+from chunk_grpo.quantize import quantize_base
 from chunk_grpo.rollout import sample_rollouts
 
 
-@pytest.fixture(scope="module")
-def policy(tmp_path_factory):
+@pytest.fixture(scope="module", params=["full", "lora-nf4"])
+def policy(tmp_path_factory, request):
+    """Full fine-tuning, or LoRA on an NF4 base (QLoRA, `chunk_grpo.quantize`): rollouts and
+    updates compute with the same quantized weights."""
     policy = FluxPolicy.from_pretrained(tiny_model_dir(tmp_path_factory.mktemp("m")))
-    prepare_transformer(policy.transformer, lora_rank=0, lora_alpha=None, lora_targets=[],
+    lora = request.param == "lora-nf4"
+    if lora:
+        pytest.importorskip("bitsandbytes")
+        quantize_base(policy.transformer, "nf4", compute_dtype=torch.float32, device="cpu")
+    prepare_transformer(policy.transformer, lora_rank=4 if lora else 0, lora_alpha=None,
+                        lora_targets="attention+text" if lora else [], lora_seed=0,
                         gradient_checkpointing=True, attention_backend="auto")
+    if lora:  # B = 0 would leave the adapters out of the computation: make them count
+        with torch.no_grad():
+            for name, param in policy.transformer.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(len(name)))
     return policy
 
 

@@ -67,6 +67,16 @@ def tiny_config(model_dir: Path, out_dir: Path, **overrides):
     return build_config(None, values)
 
 
+def velocities(*policies) -> list[torch.Tensor]:
+    """Each policy's velocity on the same two noises, prompts and sigmas (no grad), encoded by
+    the first policy."""
+    x = policies[0].initial_noise(2, torch.Generator().manual_seed(0))
+    emb = policies[0].encode_prompts(["a red circle", "two blue squares"])
+    sigma = torch.tensor([0.7, 0.4])
+    with torch.no_grad():
+        return [policy.velocity(x, sigma, emb) for policy in policies]
+
+
 class Killed(Exception):
     """Raised by an ``on_step_end`` hook to stop a run as a crash would."""
 

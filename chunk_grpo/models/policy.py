@@ -114,6 +114,7 @@ class FluxPolicy:
         frozen_dtype: torch.dtype | None = None,
         text_encoder_device: str | torch.device | None = None,
         transformer: torch.nn.Module | None = None,
+        transformer_device: str | torch.device | None = None,
     ) -> FluxPolicy:
         """Load a FLUX pipeline as a policy.
 
@@ -124,13 +125,16 @@ class FluxPolicy:
         the text encoders live (default ``device``; "cpu" keeps them off the GPU, their
         embeddings are moved to ``device``). ``transformer``: one to use instead of loading it
         (built on the ``meta`` device for sharded loading, `chunk_grpo.sharded_load`).
+        ``transformer_device``: where the transformer loads (default ``device``; "cpu" for a
+        base quantized as it moves to the device, `chunk_grpo.quantize`).
         """
         frozen_dtype = frozen_dtype or dtype
         dtypes = {"transformer": dtype, "default": frozen_dtype}
         encoders = text_encoder_device or device
         pipeline = load_flux_pipeline(
             path_or_id, dtype=dtypes, device=device, transformer=transformer,
-            devices={"text_encoder": encoders, "text_encoder_2": encoders})
+            devices={"text_encoder": encoders, "text_encoder_2": encoders,
+                     "transformer": transformer_device or device})
         local = Path(os.fspath(path_or_id)).expanduser()
         defaults = SamplingDefaults.load(local) if local.is_dir() else SamplingDefaults()
         policy = cls(pipeline, defaults)
