@@ -18,18 +18,19 @@ them trained):
   an accumulation (they are reduce-scattered every micro-batch), plus FSDP's working set of one
   unsharded block's gradient in the compute dtype and its reduce-scatter copy in
   ``reduce_dtype``; under DDP a full gradient copy (4T) and its buckets (another 4T);
-- FSDP's working set in a forward: the two adjacent blocks unsharded in the compute dtype (the
-  one computing and the one prefetched) and the unsharded root (embedders, final norm);
+- FSDP2's working set in the compute dtype: in a forward the root (embedders, final norm), the
+  previous group's all-gather buffer (kept until the next copy-out) and a block's buffer and
+  unsharded copy; in the backward the root, a block and the next one prefetched;
 - text encoders and VAE in ``weights_dtype``; the reward models in bf16 on CUDA;
 - activations of one call (a training micro-batch: its trained steps x micro-batch rows, forward
   and backward; a no-grad sampling batch and the VAE decode of it), measured with FakeTensor;
 - a fixed allowance for the CUDA context, cuBLAS/NCCL workspaces and allocator slack.
 
 The phases, in the order a run meets them: load (the policy built on meta, sharded, and each
-rank filling its shards from the checkpoint one full tensor at a time; then the VAE, the text
-encoders and the reward), prompt caching (``text_encoders: cache``: the encoders on the GPU
-while encoding, then freed), the temporal profile (no-grad forwards of the sharded model),
-rollout, reward, training with accumulation, evaluation (no-grad sampling, the hybrid base),
+rank filling its shards from the checkpoint, its rows of one tensor at a time; then the hybrid
+base from the shards and the reward), prompt caching (``text_encoders: cache``: the encoders
+on the GPU while encoding, then freed), the temporal profile (no-grad forwards of the sharded
+model), rollout, reward, training with accumulation, evaluation (no-grad sampling, the hybrid base),
 checkpoint save and export. Host memory is per node (``gpus_per_node`` ranks): the checkpoint
 files' page cache once per node (every rank maps the same files), plus what each rank holds on
 its CPU.
