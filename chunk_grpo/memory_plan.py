@@ -18,18 +18,19 @@ them trained):
   an accumulation (they are reduce-scattered every micro-batch), plus FSDP's working set of one
   unsharded block's gradient in the compute dtype and its reduce-scatter copy in
   ``reduce_dtype``; under DDP a full gradient copy (4T) and its buckets (another 4T);
-- FSDP's working set in a forward: the two adjacent blocks unsharded in the compute dtype (the
-  one computing and the one prefetched) and the unsharded root (embedders, final norm);
+- FSDP2's working set in the compute dtype: in a forward the root (embedders, final norm), the
+  previous group's all-gather buffer (kept until the next copy-out) and a block's buffer and
+  unsharded copy; in the backward the root, a block and the next one prefetched;
 - text encoders and VAE in ``weights_dtype``; the reward models in bf16 on CUDA;
 - activations of one call (a training micro-batch: its trained steps x micro-batch rows, forward
   and backward; a no-grad sampling batch and the VAE decode of it), measured with FakeTensor;
 - a fixed allowance for the CUDA context, cuBLAS/NCCL workspaces and allocator slack.
 
 The phases, in the order a run meets them: load (the policy built on meta, sharded, and each
-rank filling its shards from the checkpoint one full tensor at a time; then the VAE, the text
-encoders and the reward), prompt caching (``text_encoders: cache``: the encoders on the GPU
-while encoding, then freed), the temporal profile (no-grad forwards of the sharded model),
-rollout, reward, training with accumulation, evaluation (no-grad sampling, the hybrid base),
+rank filling its shards from the checkpoint, its rows of one tensor at a time; then the hybrid
+base from the shards and the reward), prompt caching (``text_encoders: cache``: the encoders
+on the GPU while encoding, then freed), the temporal profile (no-grad forwards of the sharded
+model), rollout, reward, training with accumulation, evaluation (no-grad sampling, the hybrid base),
 checkpoint save and export. Host memory is per node (``gpus_per_node`` ranks): the checkpoint
 files' page cache once per node (every rank maps the same files), plus what each rank holds on
 its CPU.
@@ -159,10 +160,18 @@ class PhasePlan:
     host_parts: tuple[tuple[str, float], ...] = ()
     host_rank_bytes: float = 0.0
     note: str = ""
+    process_peak: float = 0.0  # a step of the phase whose CPU-run peak exceeds the sum (load)
 
     @property
     def gpu_bytes(self) -> float:
         return sum(b for _, b in self.gpu_parts)
+
+    @property
+    def process_bytes(self) -> float:
+        """One rank's process at the phase's peak when the device and the host are one memory
+        (a CPU run): its device and host bytes, or a step with more (the load's fill, with the
+        checkpoint rows the rank maps)."""
+        return max(self.process_peak, self.gpu_bytes + self.host_rank_bytes)
 
     @property
     def host_bytes(self) -> float:
@@ -170,7 +179,8 @@ class PhasePlan:
 
     def to_dict(self) -> dict:
         return {"name": self.name, "gpu_bytes": self.gpu_bytes, "host_bytes": self.host_bytes,
-                "host_rank_bytes": self.host_rank_bytes, "note": self.note,
+                "host_rank_bytes": self.host_rank_bytes, "process_bytes": self.process_bytes,
+                "note": self.note,
                 "gpu_parts": dict(self.gpu_parts), "host_parts": dict(self.host_parts)}
 
 
@@ -326,8 +336,9 @@ class ModelSizes:
 
     transformer: int
     largest_block: int
-    block_pair: int  # the two adjacent blocks with the most parameters (FSDP's working set)
+    block_pair: int  # the two adjacent blocks with the most parameters
     root: int  # outside the blocks: embedders, final norm and projection
+    blocks: tuple[int, ...]  # every block's parameters, in forward order (FSDP's units)
     largest_tensor: int  # the transformer's largest weight (loaded whole, one at a time)
     vae: int
     text_encoders: int
@@ -348,7 +359,8 @@ def model_sizes(model: str) -> ModelSizes:
     counts = {"transformer": total, "vae": vae, "text_encoders": text}
     return ModelSizes(
         transformer=total, largest_block=max(blocks), block_pair=max(pairs),
-        root=total - sum(blocks), largest_tensor=largest_tensor(transformer), vae=vae,
+        root=total - sum(blocks), blocks=tuple(blocks),
+        largest_tensor=largest_tensor(transformer), vae=vae,
         text_encoders=text, configs=configs,
         files={part: _checkpoint_bytes(model, part, n) for part, n in counts.items()})
 
@@ -407,6 +419,40 @@ def _call_memory(model: str, shape: CallShape, train: bool, gradient_checkpointi
 def _decode_memory(model: str, batch: int, height: int, width: int, dtype: str) -> CallMemory:
     return estimate_vae_decode(model_sizes(model).configs.vae, batch, height, width,
                                _TORCH_DTYPES[dtype])
+
+
+def _fsdp_forward_parameters(sizes: ModelSizes) -> int:
+    """Parameters FSDP2 holds unsharded (in the compute dtype) at the peak of a forward. The
+    root's stay unsharded for the whole forward. Each group's all-gather buffer outlives its
+    copy-out until the next group's copy-out (FSDP2's implicit prefetch), so when block i is
+    copied out, the previous group's buffer (the root's for the first block), block i's buffer
+    and block i's unsharded parameters are live at once."""
+    previous = (sizes.root, *sizes.blocks[:-1])
+    return sizes.root + max((p + 2 * b for p, b in zip(previous, sizes.blocks, strict=True)),
+                            default=sizes.root)
+
+
+@dataclass(frozen=True)
+class _Backward:
+    unsharded: float  # bytes of unsharded parameters
+    gradient: float  # bytes of the unsharded gradient and its reduce-scatter buffers
+
+
+def _fsdp_backward(sizes: ModelSizes, cbytes: int, rbytes: int, shard: int,
+                   lora: bool) -> _Backward:
+    """FSDP2's largest backward working set: the root (unsharded since the forward), block i
+    and block i-1 all-gathered ahead (backward prefetch; none before the first block: the
+    root is already there), and block i's gradient, in the compute dtype while it is cast into
+    the reduce-scatter input (``reduce_dtype``, unsharded), then that input and the reduced
+    shard. Under LoRA the gradients in flight are the adapters' (negligible)."""
+    best = _Backward(0.0, 0.0)
+    for i, b in enumerate(sizes.blocks or (0,)):
+        before = sizes.blocks[i - 1] if i else 0
+        gradient = 0 if lora else max(cbytes + rbytes, rbytes * (1 + 1 / shard)) * b
+        step = _Backward(cbytes * (sizes.root + b + before), gradient)
+        if step.unsharded + step.gradient > best.unsharded + best.gradient:
+            best = step
+    return best
 
 
 def image_tokens(s: PlanSettings, configs: ModelConfigs) -> int:
@@ -503,20 +549,25 @@ def _phases(s: PlanSettings, sizes: ModelSizes) -> tuple[list[PlanRow], list[Pha
     if fsdp:
         gradients = part("gradients (fp32 shards)", 4 * trainable / shard,
                          f"{split}, reduce-scattered every micro-batch", home)
-        in_flight = 0 if lora else (cbytes + rbytes) * sizes.largest_block
-        grad_work = part("unsharded gradient in flight", in_flight,
+        backward = _fsdp_backward(sizes, cbytes, rbytes, shard, lora)
+        grad_work = part("unsharded gradient in flight", backward.gradient,
                          "LoRA: the adapters' only" if lora else
                          f"1 block in {s.compute_dtype} + its reduce-scatter copy in "
-                         f"{s.reduce_dtype}")
-        unsharded = part("FSDP unsharded blocks", cbytes * (sizes.block_pair + sizes.root),
-                         f"2 adjacent blocks + root in {s.compute_dtype}")
+                         f"{s.reduce_dtype}, or that copy + its reduced shard")
+        unsharded_backward = part("FSDP unsharded blocks (backward)", backward.unsharded,
+                                  f"root + a block + the next one prefetched, in "
+                                  f"{s.compute_dtype}")
+        unsharded = part("FSDP unsharded blocks (forward)",
+                         cbytes * _fsdp_forward_parameters(sizes),
+                         f"root + the previous all-gather buffer + a block's buffer and its "
+                         f"unsharded copy, in {s.compute_dtype}")
     else:
         gradients = part("gradients (fp32)", 4 * trainable, "full copy, kept across "
                          "accumulation (no_sync)" if s.parallelism == "ddp" else "full copy")
         ddp = s.parallelism == "ddp" and s.world_size > 1
         grad_work = part("DDP gradient buckets", 4 * trainable if ddp else 0,
                          "a second copy of the gradients" if ddp else "no DDP")
-        unsharded = 0.0
+        unsharded = unsharded_backward = 0.0
     adapters = Adapters(s.lora_rank, s.lora_targets) if lora else Adapters()
     precision = _call_precision(s)
     train_call = _call_memory(s.model, CallShape(s.train_rows, tokens, s.text_tokens), True,
@@ -534,7 +585,15 @@ def _phases(s: PlanSettings, sizes: ModelSizes) -> tuple[list[PlanRow], list[Pha
 
     roll_acts = part("activations (sampling call, VAE decode)", sampling_call(
         s.rollout_batch_size), f"{s.rollout_batch_size} rows, no grad")
-    in_tensor = 4 * sizes.largest_tensor  # one full tensor, filled into fp32 shards
+    in_tensor = 4 * sizes.largest_tensor  # one full fp32 tensor (export gathers them whole)
+    file_bytes = sizes.files["transformer"] / sizes.transformer  # per parameter (bf16: 2)
+    # Sharded loading reads this rank's rows of one tensor at a time (`sharded_load`): a
+    # shard-sized host slice in the checkpoint's dtype; a copy from the host into a CUDA tensor
+    # of another dtype converts on the host first (one more shard-sized fp32 temporary).
+    in_slice = (file_bytes + (4 if cuda else 0)) * sizes.largest_tensor / shard
+    # The checkpoint pages a rank maps while filling: its rows of every tensor. They are the
+    # node's page cache (host parts); on a CPU run they count in the process's resident memory.
+    mapped = sizes.files["transformer"] / shard if fsdp else sizes.files["transformer"]
 
     # Everything held from the first optimizer step on.
     held = [("trainable weights", weights), ("frozen weights", frozen), ("hybrid base", base),
@@ -561,16 +620,20 @@ def _phases(s: PlanSettings, sizes: ModelSizes) -> tuple[list[PlanRow], list[Pha
     page_cache = [("transformer checkpoint page cache", files["transformer"]),
                   ("text encoder + VAE page cache", files["text_encoders"] + files["vae"])]
     load_text = text_all if s.text_encoders == "cache" else text
-    load_host = in_tensor if fsdp else 4 * trainable + frozen * shard
+    load_gpu = [*loaded[:3], ("text encoders", load_text), *loaded[4:],
+                ("one weight quantized in flight",
+                 wbytes * quantized.largest if quantized and cuda else 0)]
+    load_host = in_slice if fsdp else 4 * trainable + frozen * shard
     if quantized is not None:  # the transformer read on the CPU, quantized layer by layer
         # (its memory-mapped checkpoint pages stay mapped until every layer is quantized)
         load_host = 4 * trainable + wbytes * sizes.transformer
-    out = [phase("load", [*loaded[:3], ("text encoders", load_text), *loaded[4:],
-                          ("one full tensor in flight", in_tensor if fsdp else 0),
-                          ("one weight quantized in flight", wbytes * quantized.largest
-                           if quantized and cuda else 0)],
-                 page_cache, load_host,
-                 "policy on meta, sharded, each rank filling its shards; then the reward")]
+    load = phase("load", load_gpu, page_cache, load_host,
+                 "policy on meta, sharded, each rank filling its shards; "
+                 "then the base from the shards, then the reward")
+    # The fill precedes the base and the reward: on a CPU run its peak is the shards, encoders
+    # and VAE with the mapped rows and the slice in flight, or the whole load after it.
+    filling = weights + frozen + load_text + vae + load.host_rank_bytes + mapped if fsdp else 0
+    out = [dataclasses.replace(load, process_peak=filling)]
     encoding = 2 * PROMPT_CACHE_BATCH * s.text_tokens * (
         sizes.configs.text_encoder_2.get("d_ff", 0) * wbytes)
     if s.text_encoders == "cache":
@@ -600,9 +663,13 @@ def _phases(s: PlanSettings, sizes: ModelSizes) -> tuple[list[PlanRow], list[Pha
                                 ("reward batch (images)", reward_batch)],
                      note=f"{s.reward_batch} images per call; the reward's own activations "
                           f"not measured"))
+    # The backward's unsharded blocks and gradient in flight, or the forward's buffers when
+    # they are larger (LoRA: no full gradient in flight).
+    forward_extra = max(0.0, unsharded - unsharded_backward - grad_work)
     out.append(phase("train", [*held, ("rollout buffers", buffers), ("gradients", gradients),
                                ("gradient in flight / buckets", grad_work),
-                               ("FSDP unsharded blocks", unsharded),
+                               ("FSDP unsharded blocks", unsharded_backward),
+                               ("FSDP forward all-gather buffers", forward_extra),
                                ("dequantized weight", dequant),
                                ("activations (training call)", train_acts)],
                      note=f"micro-batch {s.micro_batch_size}, reduce_dtype {s.reduce_dtype}"))

@@ -159,6 +159,16 @@ def sync_gradients(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
         yield
 
 
+def reshard_root(model: torch.nn.Module | None) -> None:
+    """Free the unsharded parameters FSDP2 keeps on a root module after a forward (it skips the
+    root's reshard, expecting the backward to need them at once). After no-grad sampling no
+    backward comes, and without this the root's embedders and final layers would stay
+    all-gathered, in the compute dtype, through the phases that follow. Anything else: no-op."""
+    model = unwrapped(model) if model is not None else None
+    if isinstance(model, FSDPModule):
+        model.reshard()
+
+
 def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
     """The part of ``param`` this rank holds and the index of its first row: an FSDP2 DTensor's
     local dim-0 shard (FSDP2 cuts dim 0 as `torch.chunk` does), or a plain tensor whole."""

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 import grpo_kernels
 from chunk_grpo.noise import check_row_offset, initial_noise, step_noise
+from chunk_grpo.parallelize import reshard_root
 from chunk_grpo.precision import resolve_mixed_precision
 from chunk_grpo.sampling_options import (
     SAMPLERS,
@@ -120,6 +121,8 @@ def denoise(policy, x: torch.Tensor, embeds, sigmas: torch.Tensor, *, sampler: s
         model, model_embeds = policy, embeds
         if hybrid is not None and t >= hybrid.from_step:
             model, model_embeds = hybrid.policy, hybrid.embeds
+            if t == hybrid.from_step:  # the policy's part is done: its root resharded
+                reshard_root(_sampled_transformer(policy))
         s = sigmas[t].expand(b).to(x.device)
         s_next = sigmas[t + 1].expand(b).to(x.device)
         with autocast_context(x.device, mixed_precision):
@@ -135,12 +138,21 @@ def denoise(policy, x: torch.Tensor, embeds, sigmas: torch.Tensor, *, sampler: s
         if keep:
             traj.append(x)
         logps.append(logp)
+    for model in (policy, hybrid.policy if hybrid is not None else None):
+        reshard_root(_sampled_transformer(model))  # FSDP2 keeps a root unsharded otherwise
     latents = torch.stack(traj, dim=1) if keep else None
     logp_t = None
     if sampler != "ode":
         w = trained_transitions(steps, sde_window)
         logp_t = torch.stack(logps[:w], dim=1) if w > 0 else x.new_zeros(b, 0)
     return Denoised(x=x, latents=latents, logps=logp_t, x0=x0)
+
+
+def _sampled_transformer(policy) -> torch.nn.Module | None:
+    """The transformer ``policy.velocity`` runs: a frozen hybrid base's own copy, else the
+    policy's (None for a policy without one)."""
+    base = getattr(policy, "base_transformer", None)
+    return base if base is not None else getattr(policy, "transformer", None)
 
 
 def decode_images(policy, result: Denoised, decode: str = "final") -> torch.Tensor:

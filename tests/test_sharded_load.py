@@ -285,3 +285,33 @@ def test_fsdp_on_one_rank_checkpoints_resumes_and_exports(tmp_path):
     (second,) = run_ranks(_one_rank_run, 1, tmp_path, model_dir, 2, True)
     assert second["exported"] and len(second["checkpoints"]) >= 1
     assert second["checkpoints"] != first["checkpoints"]  # step 2 was trained and saved
+
+
+def _roots_after_sampling(rank: int, world: int, tmp: Path, model_dir: Path) -> dict:
+    """FSDP2 leaves a root's parameters unsharded after a forward (it expects a backward);
+    hybrid sampling with the policy and its sharded base reshards both roots it used."""
+    from chunk_grpo.rollout import generate
+
+    cfg = tiny_config(model_dir, tmp / "run", parallelism="fsdp", eval_hybrid_steps=2)
+    setup = build_policy(cfg, D.init_for_config(cfg))
+    policy, base = setup.policy, setup.base.base_transformer
+
+    def sharded(module) -> bool:  # the root's own weights (the embedders): DTensors or not
+        return isinstance(module.x_embedder.weight, DTensor)
+
+    state = {"before": (sharded(policy.transformer), sharded(base))}
+    embeds = policy.encode_prompts(["a red circle"])
+    with torch.no_grad():  # a bare forward: FSDP2 keeps the root unsharded
+        policy.velocity(policy.initial_noise(1, torch.Generator().manual_seed(0)), 0.5, embeds)
+    state["bare forward"] = sharded(policy.transformer)
+    generate(policy, ["a red circle", "a blue square"], num_steps=4, hybrid_base=setup.base,
+             hybrid_steps=2)
+    state["after sampling"] = (sharded(policy.transformer), sharded(base))
+    return state
+
+
+def test_sampling_leaves_no_fsdp_root_unsharded(tmp_path):
+    (state,) = run_ranks(_roots_after_sampling, 1, tmp_path, tiny_model_dir(tmp_path))
+    assert state["before"] == (True, True)
+    assert state["bare forward"] is False  # what sampling must undo
+    assert state["after sampling"] == (True, True)
