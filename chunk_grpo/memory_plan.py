@@ -627,9 +627,14 @@ def _phases(s: PlanSettings, sizes: ModelSizes) -> tuple[list[PlanRow], list[Pha
     if quantized is not None:  # the transformer read on the CPU, quantized layer by layer
         # (its memory-mapped checkpoint pages stay mapped until every layer is quantized)
         load_host = 4 * trainable + wbytes * sizes.transformer
-    load = phase("load", load_gpu, page_cache, load_host,
-                 "policy on meta, sharded, each rank filling its shards; "
-                 "then the base from the shards, then the reward")
+    if fsdp:
+        load_note = ("policy on meta, sharded, each rank filling its shards; then the base "
+                     "from the shards, then the reward")
+    elif quantized is not None:
+        load_note = "policy read on the CPU, quantized layer by layer onto the device; the reward"
+    else:
+        load_note = "policy loaded whole onto the device, then the reward"
+    load = phase("load", load_gpu, page_cache, load_host, load_note)
     # The fill precedes the base and the reward: on a CPU run its peak is the shards, encoders
     # and VAE with the mapped rows and the slice in flight, or the whole load after it.
     filling = weights + frozen + load_text + vae + load.host_rank_bytes + mapped if fsdp else 0
