@@ -55,8 +55,9 @@ from chunk_grpo.config import (
     parse_args,
     save_config,
 )
+from chunk_grpo.export import export_targets
 from chunk_grpo.memory_plan import check_plan
-from chunk_grpo.metrics import reward_captions, save_image_grid
+from chunk_grpo.metrics import reward_captions
 from chunk_grpo.parallelize import any_rank, clip_grad_norm, sync_gradients
 from chunk_grpo.phase_memory import PhaseMemory, active_phase, current
 from chunk_grpo.policy_update import TrainUnit, UpdateRecord, accumulate_gradients, plan_units
@@ -183,8 +184,8 @@ def collect_batch(tr: Trainer, step: int, timer: _PhaseTimer | None = None, *,
     if info.is_main:
         _warn_if_constant(tr, gathered_parts[0], step)
     if cfg.run.image_grid_every and step % cfg.run.image_grid_every == 0 and info.is_main:
-        save_image_grid(rollout.images, tr.run_dir / "images" / f"rollout-{step:06d}.png",
-                        reward_captions(row_prompts, scores[0]), columns=sampling.group_size)
+        tr.logger.image_grid(step, "rollout", rollout.images,
+                             reward_captions(row_prompts, scores[0]), columns=sampling.group_size)
 
     # 4. group-relative advantages (G2RPO: summed over the finishes)
     if cfg.reward.mix_advantage == "per_reward":
@@ -294,7 +295,7 @@ def _default_run_dir() -> Path:
 
 def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = False,
         on_step_end=None) -> Path:
-    """Train; returns the run directory (with final_model/ exported at the end).
+    """Train; returns the run directory (with the model exported at the end, `run.export`).
 
     ``on_step_end(step, metrics)`` is called after every iteration (e.g. to stop early).
     """
@@ -431,17 +432,19 @@ def _train_loop(tr: Trainer, start: int, bad_streak: int, on_step_end) -> None:
             break
     try:
         with active_phase("export"):
-            model_dir = export_final(tr)  # every rank: a sharded model is gathered for rank 0
+            exports = export_final(tr)  # every rank: a sharded model is gathered for rank 0
     except OSError as err:
         if err.errno != errno.ENOSPC:
             raise
+        targets = export_targets(run_dir, cfg.run.export, cfg.model.lora_rank > 0)
         raise DiskFullError(errno.ENOSPC, f"no space left on device to export "
-                            f"{run_dir / 'final_model'}; the last checkpoint "
+                            f"{', '.join(map(str, targets.values()))}; the last checkpoint "
                             f"{latest_checkpoint(run_dir)} is kept: free some space and run "
                             f"--resume {run_dir} to export it") from None
     save_phase_memory(tr)
     if info.is_main:
-        text = finish_summary(tr, step + 1 - start, (time.time() - t_start) / 60, model_dir)
+        text = finish_summary(tr, step + 1, step + 1 - start, (time.time() - t_start) / 60,
+                              exports)
         if cfg.run.progress:
             print(text, flush=True)
 

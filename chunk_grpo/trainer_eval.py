@@ -1,6 +1,6 @@
 """What a training run reports about its policy: the periodic and final held-out evaluation
 (with hybrid inference and the paired gain over the base), the closing summary, and the
-exported model."""
+exported model (in the formats of `run.export`)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,18 @@ import torch.distributed as dist
 
 from chunk_grpo import distributed as D
 from chunk_grpo.evaluation import EvalResult, evaluate_policy
-from chunk_grpo.metrics import reward_captions, save_image_grid
+from chunk_grpo.export import export_targets, write_exports
+from chunk_grpo.metrics import reward_captions
 from chunk_grpo.parallelize import is_sharded
-from chunk_grpo.policy_setup import export_pipeline
 from chunk_grpo.sharded_checkpoint import export_full_model
 from chunk_grpo.stats import mean_ci95
-from chunk_grpo.summary import Comparison, before_after_grid, save_summary, summary_text
+from chunk_grpo.summary import (
+    Comparison,
+    before_after_pairs,
+    save_summary,
+    summary_numbers,
+    summary_text,
+)
 from chunk_grpo.trainer_setup import Trainer
 from chunk_grpo.weights_dtype import resolve_weights_dtype
 
@@ -59,11 +65,9 @@ def evaluate(tr: Trainer, step: int, final: bool = False) -> dict:
                 out[f"{name}/gain_vs_base"], out[f"{name}/gain_ci95"] = gain, gain_ci
             if final:
                 tr.final_evals[name] = dataclasses.replace(res, images=res.images[:GRID_IMAGES])
-            if tr.info.is_main:
-                save_image_grid(res.images[:GRID_IMAGES],
-                                tr.run_dir / "images" / f"{name}-{step:06d}.png",
-                                reward_captions(res.prompts[:GRID_IMAGES],
-                                                res.rewards[:GRID_IMAGES]))
+            tr.logger.image_grid(step, name, res.images[:GRID_IMAGES],
+                                 reward_captions(res.prompts[:GRID_IMAGES],
+                                                 res.rewards[:GRID_IMAGES]))
     finally:
         if tr.ema is not None:
             tr.ema.swap()
@@ -98,37 +102,45 @@ def evaluate_split(info: D.DistInfo, policy, prompts: list[str], **settings) -> 
                       max(seconds for _, seconds, _ in shares), part.images_per_prompt)
 
 
-def finish_summary(tr: Trainer, iterations: int, minutes: float, model_dir: Path | None) -> str:
+def finish_summary(tr: Trainer, step: int, iterations: int, minutes: float,
+                   exports: dict[str, Path]) -> str:
     """The run's closing screen (before -> after on the final evaluation), saved in the run
-    directory with a before/after grid."""
+    directory with a before/after grid and reported to the logging backends."""
     base = tr.base_evals.get(tr.cfg.eval.final_images)
     comparisons = [] if base is None else [
         Comparison.of(name, base, res) for name, res in tr.final_evals.items()]
     text = summary_text(run_dir=tr.run_dir, reward=tr.cfg.reward.name, comparisons=comparisons,
                         iterations=iterations, minutes=minutes,
-                        hybrid_steps=tr.cfg.eval.hybrid_steps, model_dir=model_dir)
+                        hybrid_steps=tr.cfg.eval.hybrid_steps, model_dir=exports.get("merged"),
+                        exports=exports)
     save_summary(tr.run_dir, text, comparisons)
     if base is not None and "eval" in tr.final_evals:
-        before_after_grid(base, tr.final_evals["eval"], tr.run_dir / "images" / "before_after.png")
+        images, captions = before_after_pairs(base, tr.final_evals["eval"])
+        tr.logger.image_grid(step, "before_after", images, captions,
+                             filename="before_after.png")
+    tr.logger.summary(text, summary_numbers(comparisons))
     return text
 
 
-def export_final(tr: Trainer) -> Path:
-    """final_model/: a diffusers directory (EMA weights if enabled, LoRA merged), the
-    transformer in bf16 where the frozen weights are bf16 (CUDA by default), else fp32. Every
-    rank calls this: a sharded transformer is gathered onto rank 0's CPU, which writes."""
-    if not tr.policy.has_text_encoders and tr.info.is_main:  # freed after caching: rank 0
-        tr.policy.reload_text_encoders("cpu")  # writes the pipeline, it alone needs them
+def export_final(tr: Trainer) -> dict[str, Path]:
+    """The trained model in the run's export formats (`run.export`, `chunk_grpo.export`):
+    final_model/ (a diffusers directory, LoRA merged), final_lora/, final_transformer/; EMA
+    weights if enabled; in bf16 where the frozen weights are bf16 (CUDA by default), else fp32.
+    Every rank calls this: a sharded transformer is gathered onto rank 0's CPU, which writes.
+    Returns {format: directory} (on rank 0)."""
+    targets = export_targets(tr.run_dir, tr.cfg.run.export, tr.cfg.model.lora_rank > 0)
+    if ("merged" in targets and not tr.policy.has_text_encoders  # freed after caching: rank 0
+            and tr.info.is_main):  # writes the pipeline, it alone needs them
+        tr.policy.reload_text_encoders("cpu")
     if tr.ema is not None:
         tr.ema.swap()
     dtype = resolve_weights_dtype(tr.cfg.model.weights_dtype, tr.info.device)
-    out = tr.run_dir / "final_model"
     try:
         if tr.info.world_size > 1 or is_sharded(tr.module):
-            return export_full_model(tr.policy.pipeline, tr.module, out,
+            return export_full_model(tr.policy.pipeline, tr.module, targets,
                                      defaults=tr.policy.defaults, dtype=dtype)
-        return export_pipeline(tr.policy.pipeline, tr.policy.transformer, out,
-                               defaults=tr.policy.defaults, dtype=dtype)
+        return write_exports(tr.policy.pipeline, tr.policy.transformer, targets,
+                             defaults=tr.policy.defaults, dtype=dtype)
     finally:
         if tr.ema is not None:
             tr.ema.swap()
