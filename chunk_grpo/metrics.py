@@ -94,10 +94,11 @@ class WandbBackend(LogBackend):
 
         self.wandb = wandb
         id_file = run_dir / self.ID_FILE
-        run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
+        run_id = id_file.read_text().strip() if id_file.is_file() else None  # None: a new one
         self.run = wandb.init(project=project, name=name or run_dir.resolve().name, id=run_id,
-                              resume="allow", dir=str(run_dir), config=config)
-        id_file.write_text(run_id + "\n")
+                              resume="allow" if run_id else None, dir=str(run_dir),
+                              config=config)
+        id_file.write_text(self.run.id + "\n")
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
 
