@@ -45,6 +45,7 @@ from chunk_grpo.config import (
     load_yaml,
     parse_args,
 )
+from chunk_grpo.errors import interruption
 from chunk_grpo.evaluation import evaluate_policy
 from chunk_grpo.metrics import read_metrics
 from chunk_grpo.plots import line_plot
@@ -232,7 +233,7 @@ def base_evaluations(out: Path, cfg: TrainConfig, count: int, noise_seeds: list[
     cached: dict[int, dict] = {}
     if summary_path.is_file() and rewards_path.is_file():
         summaries = json.loads(summary_path.read_text())
-        rewards = torch.load(rewards_path)
+        rewards = torch.load(rewards_path, weights_only=True)
         cached = {int(s): dict(summaries[s], rewards=rewards[s].tolist()) for s in summaries}
     missing = [s for s in noise_seeds if s not in cached]
     if missing:
@@ -269,7 +270,8 @@ class _TrainingClock:
             self.then(step, metrics)
 
 
-def train_resumably(cfg: TrainConfig, run_dir: Path, on_step_end=None) -> dict:
+def train_resumably(cfg: TrainConfig, run_dir: Path, on_step_end=None,
+                    trust_checkpoint: bool = False) -> dict:
     """Train one run to the end of its budget: fresh, or resumed from its latest checkpoint with
     the budget it has left. Returns {"iterations", "seconds"} of the whole run."""
     checkpoint = latest_checkpoint(run_dir)
@@ -293,14 +295,16 @@ def train_resumably(cfg: TrainConfig, run_dir: Path, on_step_end=None) -> dict:
             # Stopped just as the budget ran out: a tiny budget trains one more iteration.
             cfg = cfg.with_changes({"run.max_minutes": max(cfg.run.max_minutes - used / 60, 1e-6)})
         clock = _TrainingClock(run_dir, used, elapsed, on_step_end)
-        train_run(cfg, run_dir=run_dir, resume=True, on_step_end=clock)
+        train_run(cfg, run_dir=run_dir, resume=True, on_step_end=clock,
+                  trust_checkpoint=trust_checkpoint)
     steps = sorted(int(s) for s in clock.elapsed)
     return {"iterations": steps[-1] if steps else 0,
             "seconds": clock.elapsed[str(steps[-1])] if steps else 0.0}
 
 
 def run_one(cell: Cell, seed: int, cfg: TrainConfig, out: Path, count: int, noise_seed: int,
-            base_eval: dict, device: torch.device, reward, on_step_end=None) -> dict:
+            base_eval: dict, device: torch.device, reward, on_step_end=None,
+            trust_checkpoint: bool = False) -> dict:
     """Train, evaluate and record one (cell, seed); a recorded one is read back, not rerun."""
     run_dir = out / "cells" / f"{cell.name}-s{seed}"
     result_path = run_dir / "result.json"
@@ -310,7 +314,7 @@ def run_one(cell: Cell, seed: int, cfg: TrainConfig, out: Path, count: int, nois
     if trained_path.is_file():  # trained, stopped during the evaluation
         trained = json.loads(trained_path.read_text())
     else:
-        trained = train_resumably(cfg, run_dir, on_step_end)
+        trained = train_resumably(cfg, run_dir, on_step_end, trust_checkpoint)
         trained["chunk_layout"] = load_checkpoint(run_dir, restore_rng=False)["chunk_layout"]
         _atomic_write(trained_path, json.dumps(trained))
     policy = load_policy(cfg.with_changes({"model.name": str(run_dir / "final_model")}), device)
@@ -431,7 +435,7 @@ def check_settings(out: Path, settings: dict) -> None:
 
 def run_ablation(out: Path, cells: list[Cell], seeds: list[int], base: dict[str, Any],
                  minutes: float, count: int, eval_seed: int = 1000, on_step_end=None,
-                 progress: bool = True) -> str:
+                 progress: bool = True, trust_checkpoint: bool = False) -> str:
     """Run (or finish) every (cell, seed), write table.md and curves.png; returns the table."""
     if minutes < 0:
         raise ConfigError(f"--minutes must be >= 0 (0 = no time limit), got {minutes}")
@@ -461,7 +465,8 @@ def run_ablation(out: Path, cells: list[Cell], seeds: list[int], base: dict[str,
         bar.set_postfix(run=f"{cell.name}-s{seed}")
         cfg = cell_config(base, cell, seed, minutes)
         result = run_one(cell, seed, cfg, out, count, noise_seeds[seed],
-                         base_evals[noise_seeds[seed]], info.device, reward, on_step_end)
+                         base_evals[noise_seeds[seed]], info.device, reward, on_step_end,
+                         trust_checkpoint)
         results[cell.name].append(result)
         if progress:
             tqdm.write(f"{cell.name}-s{seed}: {result['iterations']} iterations in "
@@ -496,6 +501,7 @@ class AblationArgs:
     minutes: float
     eval_images: int
     eval_seed: int
+    trust_checkpoint: bool = False  # resume cells' checkpoints without a manifest
 
 
 def parse_ablation_args(argv: list[str] | None = None) -> AblationArgs:
@@ -522,7 +528,7 @@ def parse_ablation_args(argv: list[str] | None = None) -> AblationArgs:
                         help="a short budget: the whole ablation in about 21 minutes on 2 cores "
                              f"({QUICK['minutes']} min per run, 2 prompts per iteration)")
     args, rest = parser.parse_known_args(argv)
-    yaml_path, flags, resume = parse_args(rest, prog=PROG)
+    yaml_path, flags, resume, trust = parse_args(rest, prog=PROG, trust_flag=True)
     if resume:
         raise ConfigError("--resume is not an ablation flag: rerun the same command and "
                           "finished runs are skipped, interrupted ones resume")
@@ -534,17 +540,20 @@ def parse_ablation_args(argv: list[str] | None = None) -> AblationArgs:
     if args.quick:
         base = {**QUICK_BASE, **base}
     return AblationArgs(Path(args.out), parse_cells(args.cells), parse_seeds(args.seeds), base,
-                        minutes, count, args.eval_seed)
+                        minutes, count, args.eval_seed, trust)
 
 
 def main(argv: list[str] | None = None) -> str:
     a = parse_ablation_args(argv)
     try:
         table = run_ablation(a.out, a.cells, a.seeds, a.base, a.minutes, a.eval_images,
-                             a.eval_seed)
-    except (KeyboardInterrupt, RunInterrupted):
-        raise RunInterrupted("interrupted (Ctrl-C); rerun the same command to continue (finished "
-                             "runs are kept, the interrupted one resumes)") from None
+                             a.eval_seed, trust_checkpoint=a.trust_checkpoint)
+    except (KeyboardInterrupt, RunInterrupted) as err:
+        status = err.status if isinstance(err, RunInterrupted) else interruption(err)[1]
+        what = "SIGTERM" if status == 143 else "Ctrl-C"
+        raise RunInterrupted(f"interrupted ({what}); rerun the same command to continue "
+                             "(finished runs are kept, the interrupted one resumes)",
+                             status) from None
     print(table, flush=True)
     written = [a.out / name for name in ("table.md", "curves.png") if (a.out / name).is_file()]
     print("wrote " + " and ".join(map(str, written)))

@@ -1,15 +1,18 @@
-"""The commands' runner: a known error is one line on stderr and exit status 2, Ctrl-C is 130.
+"""The commands' runner: a known error is one line on stderr and exit status 2, Ctrl-C is 130,
+SIGTERM (handled like Ctrl-C) 143.
 
 Every ``python -m chunk_grpo.<command>`` ends with ``run_cli(main, "chunk_grpo.<command>")``.
 """
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 from collections.abc import Callable
 
-from chunk_grpo.cli_args import quiet_third_party
-from chunk_grpo.errors import ConfigError, RunInterrupted
+from chunk_grpo.errors import ConfigError, RunInterrupted, Terminated, interruption
+from chunk_grpo.quiet import quiet_third_party
 
 
 def run_command(main: Callable[[], object], prog: str,
@@ -17,20 +20,41 @@ def run_command(main: Callable[[], object], prog: str,
     """Run a command-line entry point: a ConfigError (or one of ``errors``, e.g. a model that
     cannot be loaded) prints one line and exits with status 2, as argparse does for bad flags,
     instead of a traceback (its message already says the fix). Ctrl-C prints one line and exits
-    with status 130, the shell's convention for SIGINT. ``errors`` may be a function returning
-    the classes, imported only when an error happens (they live in heavy modules)."""
+    with status 130, the shell's convention for SIGINT; SIGTERM the same way with 143. ``errors``
+    may be a function returning the classes, imported only when an error happens (they live in
+    heavy modules)."""
+    previous = _handle_sigterm()
     try:
         main()
     except (KeyboardInterrupt, RunInterrupted) as err:
-        why = _one_line(err) if isinstance(err, RunInterrupted) else "interrupted (Ctrl-C)"
+        if isinstance(err, RunInterrupted):
+            why, status = _one_line(err), err.status
+        else:
+            what, status = interruption(err)
+            why = f"interrupted ({what})"
         sys.stderr.write(f"{prog}: {why}\n")
-        raise SystemExit(130) from None
+        raise SystemExit(status) from None
     except Exception as err:
         kinds = errors() if callable(errors) else errors
         if not isinstance(err, (ConfigError, *kinds)):
             raise
         sys.stderr.write(f"{prog}: error: {_one_line(err)}\n")
         raise SystemExit(2) from None
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated
+
+
+def _handle_sigterm():
+    """SIGTERM raises `Terminated` (a KeyboardInterrupt) in the main thread, so a run stops as
+    on Ctrl-C: one line naming the checkpoint to resume from."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _raise_terminated)
 
 
 def _one_line(err: BaseException) -> str:
@@ -42,7 +66,7 @@ def run_cli(main: Callable[[], object], module: str) -> None:
     """The ``__main__`` of ``python -m module``: `run_command` with every error a command reports
     in one line (a bad configuration or input file, a model or reward that cannot be loaded, an
     unknown reward, a bad reward spec or output, a damaged checkpoint, a locked run directory,
-    a full disk)."""
+    a full disk, a run that diverged or trained nothing)."""
     quiet_third_party("--verbose" in sys.argv[1:])
 
     run_command(main, f"python -m {module}", errors=_loaded_one_line_errors)
@@ -60,6 +84,8 @@ _ONE_LINE_ERRORS = (
     ("chunk_grpo.checkpoint", "CheckpointError"),
     ("chunk_grpo.checkpoint", "DiskFullError"),
     ("chunk_grpo.run_lock", "RunLockedError"),
+    ("chunk_grpo.errors", "TrainingDiverged"),
+    ("chunk_grpo.errors", "NothingTrained"),
 )
 
 

@@ -4,22 +4,21 @@ Every parser here answers a bad flag in one line (``prog: error: ...``, exit sta
 values that start with a dash (``--chunks -1,4`` reaches the config check instead of argparse's
 "expected one argument"). `check_command_line_early` runs them from the package's ``__init__``
 when a command starts (``python -m chunk_grpo.<command>``), before the command imports torch and
-diffusers: ``--help`` and a misspelt flag answer in well under 2 s. `quiet_third_party` silences
-third-party chatter unless ``--verbose`` is given.
+diffusers: ``--help`` and a misspelt flag answer in well under 2 s. Every command starts quiet
+(`chunk_grpo.quiet`) unless ``--verbose`` is given.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import os
 import sys
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 from chunk_grpo.errors import ConfigError
+from chunk_grpo.quiet import quiet_third_party
 from chunk_grpo.sampling_options import SAMPLERS, SDE_KINDS
 
 EMBEDDED_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "tiny-flux-shapes"
@@ -301,10 +300,13 @@ def check_command_line_early() -> None:
     exit here, in a fraction of a second. A valid command line continues (and is parsed again
     by the command itself)."""
     command = started_command()
-    if command not in EARLY_PARSERS:
+    if command is None or not command.startswith("chunk_grpo."):
         return
     argv = sys.argv[1:]
+    # before the command's imports: some packages speak while being imported (chunk_grpo.quiet)
     quiet_third_party("--verbose" in argv)
+    if command not in EARLY_PARSERS:
+        return
     from chunk_grpo.config import ConfigError
 
     try:
@@ -312,36 +314,6 @@ def check_command_line_early() -> None:
     except ConfigError as err:
         sys.stderr.write(f"python -m {command}: error: {err}\n")
         raise SystemExit(2) from None
-
-
-# ----------------------------------------------------------------------------- quiet
-
-_NOISE = (
-    # bf16 activations meeting fp32 RMSNorm weights under autocast (torch's own fallback)
-    r"Mismatch dtype between input and weight",
-    r".*torch\.jit\.script_method.* is deprecated",
-    r".*Attention backends are an experimental feature",
-)
-
-
-def quiet_third_party(verbose: bool = False) -> None:
-    """Hide third-party warnings and progress bars (transformers, diffusers, huggingface_hub,
-    torch's dtype fallback notes), unless ``verbose``. Environment variables set by the user
-    win; libraries imported later read them, libraries already imported are told directly."""
-    if verbose:
-        return
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    for pattern in _NOISE:
-        warnings.filterwarnings("ignore", message=pattern)
-    for name in ("transformers", "diffusers"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-        module = sys.modules.get(f"{name}.utils.logging")
-        if module is not None:
-            module.set_verbosity_error()
-            module.disable_progress_bar()
 
 
 def check_writable_dir(path: str | Path, what: str) -> None:

@@ -67,6 +67,7 @@ class RewardConfig:
     device: str = ""  # "" = the trainer's device; rewards get bf16 on CUDA, fp32 on CPU
     batch_size: int = 0  # images per reward call; 0 = a whole rollout batch
     overlap: bool = True  # score rollout batch i while batch i+1 is sampled
+    timeout: float = 0.0  # seconds a rollout batch's reward call may take; 0 = no limit
 
 
 @dataclass
@@ -202,7 +203,7 @@ FLAT_ALIASES: dict[str, str] = {
     "prompt_cache_dir": "model.prompt_cache_dir",
     "reward": "reward.name", "mix_advantage": "reward.mix_advantage",
     "reward_device": "reward.device", "reward_batch_size": "reward.batch_size",
-    "reward_overlap": "reward.overlap",
+    "reward_overlap": "reward.overlap", "reward_timeout": "reward.timeout",
     "train_prompts": "data.train_prompts", "eval_prompts": "data.eval_prompts",
     "algorithm": "sampling.algorithm", "g2rpo_granularities": "sampling.g2rpo_granularities",
     "num_steps": "sampling.steps", "shift": "sampling.shift",
@@ -474,11 +475,12 @@ def load_saved_config(path: str | Path) -> TrainConfig:
 
 # ----------------------------------------------------------------------------- flags
 
-def parse_args(argv: list[str] | None = None, prog: str = "python -m chunk_grpo.train"
-               ) -> tuple[str | None, dict[str, Any], str | None]:
-    """Parse ``python -m chunk_grpo.train`` arguments: (YAML path, overrides, resume dir). The
-    overrides are keyed as written (``optim.lr`` or its alias ``lr``) for the messages; a
-    setting given under two names is an error."""
+def parse_args(argv: list[str] | None = None, prog: str = "python -m chunk_grpo.train",
+               *, trust_flag: bool = False) -> tuple:
+    """Parse ``python -m chunk_grpo.train`` arguments: (YAML path, overrides, resume dir), and
+    with ``trust_flag`` a fourth value, whether --trust-checkpoint was given. The overrides are
+    keyed as written (``optim.lr`` or its alias ``lr``) for the messages; a setting given under
+    two names is an error."""
     parser = OneLineArgumentParser(
         prog=prog, allow_abbrev=False,
         formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(
@@ -496,6 +498,10 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m chunk_grpo.
                              "given here override it)")
     parser.add_argument("--verbose", action="store_true",
                         help="show third-party warnings and progress bars (hidden by default)")
+    if trust_flag:
+        parser.add_argument("--trust-checkpoint", action="store_true",
+                            help="resume from a checkpoint without a manifest.json (one you "
+                                 "trust; still read as tensors and plain values only)")
     alias_of = {path: flat for flat, path in FLAT_ALIASES.items()}
     defaults = TrainConfig()
     for section, cls in SECTIONS.items():
@@ -513,7 +519,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m chunk_grpo.
     if unknown:
         key = unknown[0].lstrip("-").split("=")[0].replace("-", "_")
         raise _unknown_key(key, "the command line")
-    overrides = {k: v for k, v in vars(args).items() if k not in ("config", "resume", "verbose")}
+    overrides = {k: v for k, v in vars(args).items()
+                 if k not in ("config", "resume", "verbose", "trust_checkpoint")}
     given: dict[str, str] = {}
     for key in overrides:
         path = resolve_key(key, "the command line")
@@ -523,6 +530,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m chunk_grpo.
         given[path] = key
     if args.config and args.resume:
         raise ConfigError("give either --config or --resume: a resumed run uses its saved config")
+    if trust_flag:
+        return args.config, overrides, args.resume, args.trust_checkpoint
     return args.config, overrides, args.resume
 
 

@@ -55,7 +55,8 @@ _AT_LEAST_ZERO = ("run.max_steps", "optim.grad_accum", "optim.warmup_steps", "ev
                   "eval.hybrid_steps", "sampling.sde_window", "reward.batch_size")
 _POSITIVE = ("optim.lr", "optim.max_grad_norm", "optim.eps", "loss.adv_eps", "sampling.shift",
              "model.lora_alpha")  # or None where allowed
-_NON_NEGATIVE = ("optim.weight_decay", "loss.kl_coef", "sampling.cfg_scale", "model.guidance")
+_NON_NEGATIVE = ("optim.weight_decay", "loss.kl_coef", "sampling.cfg_scale", "model.guidance",
+                 "reward.timeout")
 
 
 def check_config(cfg: TrainConfig, name: Callable[[str], str]) -> None:

@@ -80,15 +80,30 @@ def load_prompts(spec: str | Path) -> list[str]:
 
 # ----------------------------------------------------------------------------- files
 
+MAX_PROMPT_FILE_BYTES = 128 << 20  # about two million prompts
+
+
 def _read_text(path: Path) -> str:
     if not path.exists():
         raise PromptSetError(f"prompt file {str(path)!r} does not exist; give a .txt, .jsonl "
                              f"or .csv file, a datasets directory, or one of "
                              f"{', '.join(BUILTIN_SETS)}")
+    if not path.is_file():  # a device or pipe (/dev/zero) would be read without end
+        raise PromptSetError(f"prompt file {str(path)!r} is not a regular file; give a text "
+                             "file of prompts")
     try:
+        size = path.stat().st_size
+        if size > MAX_PROMPT_FILE_BYTES:
+            raise PromptSetError(f"prompt file {str(path)!r} has {size} bytes, more than the "
+                                 f"{MAX_PROMPT_FILE_BYTES >> 20} MiB a prompt file may have; "
+                                 "split it or give a datasets directory")
         data = path.read_bytes()
     except OSError as err:
         raise PromptSetError(f"cannot read prompt file {str(path)!r}: {err.strerror}") from None
+    if b"\x00" in data:
+        line = data[:data.index(b"\x00")].count(b"\n") + 1
+        raise PromptSetError(f"prompt file {str(path)!r} is not text (a NUL byte on line "
+                             f"{line}); give a text file of prompts")
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as err:

@@ -5,59 +5,117 @@ worker thread while the main thread samples batch i+1 (without overlap: every ba
 sampling) (torch releases the GIL inside its
 kernels, and a remote reward waits on a socket), so only the last batch's scoring is left once
 sampling ends. Scores do not depend on the overlap: each batch is scored whole, in order, by the
-same calls. `probe_reward` calls the rewards once on a small batch before a run starts;
-`constant_within_groups` tells a reward that gives a group no learning signal.
+same calls. The reward always runs on that (daemon) thread: the main thread only waits, so
+Ctrl-C stops a run at once even while a reward blocks, and a call that takes longer than the
+``timeout`` is a `RewardTimeoutError`. `probe_reward` calls the rewards once on a small batch
+before a run starts; `constant_within_groups` tells a reward that gives a group no learning
+signal.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
 from chunk_grpo.rewards.mix import RewardMix
-from chunk_grpo.rewards.outputs import RewardError
+from chunk_grpo.rewards.outputs import RewardError, RewardOutputError
+
+
+class RewardTimeoutError(RewardError):
+    """A reward call took longer than reward.timeout (it may be stuck)."""
+
+
+class _DaemonWorker:
+    """One daemon thread running submitted calls in order: a call that never returns keeps
+    neither the run nor the interpreter's exit waiting (a ThreadPoolExecutor's thread would)."""
+
+    def __init__(self, name: str):
+        self.calls: queue.Queue = queue.Queue()
+        threading.Thread(target=self._loop, name=name, daemon=True).start()
+
+    def submit(self, fn, *args) -> Future:
+        future: Future = Future()
+        self.calls.put((future, fn, args))
+        return future
+
+    def stop(self) -> None:
+        """Cancel what has not started; the thread ends after the running call (if it ever
+        returns)."""
+        while True:
+            try:
+                item = self.calls.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
+        self.calls.put(None)
+
+    def _loop(self) -> None:
+        while (item := self.calls.get()) is not None:
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as err:  # noqa: BLE001 (handed to the waiting thread)
+                future.set_exception(err)
 
 
 class RolloutScorer:
     """Scores rollout batches as they come on a worker thread (``overlap``), or all after
-    sampling; `collect` returns every reward's scores for all rows, in row order. Use as a
-    context manager."""
+    sampling; `collect` returns every reward's scores for all rows, in row order. ``timeout``:
+    seconds each reward call may take (0: no limit). Use as a context manager."""
 
-    def __init__(self, reward: RewardMix, overlap: bool = True):
-        self.reward = reward
-        self.executor = ThreadPoolExecutor(1, "reward") if overlap else None
+    def __init__(self, reward: RewardMix, overlap: bool = True, timeout: float = 0.0):
+        self.reward, self.overlap, self.timeout = reward, overlap, timeout
+        self.worker = _DaemonWorker("reward")
         self.parts: list[Future | tuple[torch.Tensor, list[str]]] = []
         self.busy_seconds = 0.0  # time spent inside the reward calls
 
-    def score_now(self, images: torch.Tensor, prompts: list[str]) -> dict[str, torch.Tensor]:
-        """Every reward's scores of ``images``, on this thread (counted in busy_seconds)."""
+    def _score(self, images: torch.Tensor, prompts: list[str]) -> dict[str, torch.Tensor]:
         start = time.perf_counter()
         scores = self.reward.score(images.cpu(), prompts)
         self.busy_seconds += time.perf_counter() - start
         return scores
 
+    def _wait(self, future: Future) -> dict[str, torch.Tensor]:
+        try:
+            return future.result(timeout=self.timeout or None)
+        except FutureTimeout:
+            names = ", ".join(repr(c.name) for c in self.reward.components)
+            raise RewardTimeoutError(
+                f"reward {names} did not return within {self.timeout:g} s (reward.timeout): it "
+                "may be stuck; check it, or raise reward.timeout") from None
+
+    def score_now(self, images: torch.Tensor, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """Every reward's scores of ``images`` (counted in busy_seconds), waited for."""
+        return self._wait(self.worker.submit(self._score, images, prompts))
+
     def __call__(self, images: torch.Tensor, prompts: list[str], index: int) -> None:
-        if self.executor is None:  # scored in `collect`, after sampling
+        if not self.overlap:  # scored in `collect`, after sampling
             self.parts.append((images, prompts))
             return
         for part in self.parts:  # a failed batch stops the rollout now, not after sampling
             if isinstance(part, Future) and part.done() and part.exception() is not None:
                 part.result()
-        self.parts.append(self.executor.submit(self.score_now, images, prompts))
+        self.parts.append(self.worker.submit(self._score, images, prompts))
 
     def collect(self) -> dict[str, torch.Tensor]:
         """Every reward's scores [rows], float32 CPU, by label (waits for the worker)."""
-        parts = [p.result() if isinstance(p, Future) else self.score_now(*p) for p in self.parts]
+        parts = [self._wait(p) if isinstance(p, Future) else self.score_now(*p)
+                 for p in self.parts]
         if not parts:
             raise ValueError("no rollout batch was scored")
         return {label: parts[0][label] if len(parts) == 1 else torch.cat([p[label] for p in parts])
                 for label in parts[0]}
 
     def close(self) -> None:
-        if self.executor is not None:
-            self.executor.shutdown(wait=True, cancel_futures=True)
+        self.worker.stop()
 
     def __enter__(self) -> RolloutScorer:
         return self
@@ -76,10 +134,17 @@ def probe_reward(reward: RewardMix, height: int, width: int, prompts: list[str],
     images = torch.rand(n, 3, height, width, generator=torch.Generator().manual_seed(0))
     probe_prompts = [prompts[i % len(prompts)] for i in range(n)]
     try:
-        return reward.score(images, probe_prompts)
+        scores = reward.score(images, probe_prompts)
     except RewardError as err:
         raise type(err)(f"checking the reward before training ({n} images of {height}x{width}): "
                         f"{err}") from err
+    for label, values in scores.items():
+        if not bool(torch.isfinite(values).all()):
+            raise RewardOutputError(
+                f"checking the reward before training ({n} images of {height}x{width}): "
+                f"reward {label!r} returned NaN/Inf scores {values.tolist()}; a run would skip "
+                "every iteration it does so and train nothing: fix the reward")
+    return scores
 
 
 def constant_within_groups(rewards: torch.Tensor, group_size: int) -> bool:

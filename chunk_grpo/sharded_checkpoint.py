@@ -9,6 +9,10 @@ temporary name and renamed when complete, and `checkpoints/latest` names it; `fi
 skips a damaged one. DCP reshards on load, so a checkpoint saved on N ranks loads on M ranks
 (or on one plain process); `resume_batch_plan` says what that changes in the batch.
 
+Nothing in it runs as code: trainer.pt is read with ``torch.load(weights_only=True)`` and DCP's
+`.metadata` (a pickle by torch's design) with an unpickler that builds only DCP's metadata
+classes (`SafeReader`), both after their sha256 matched the manifest.
+
 The final model is gathered once, onto rank 0's CPU, by `export_full_model`, and written there
 in the run's export formats.
 """
@@ -18,6 +22,8 @@ from __future__ import annotations
 import copy
 import errno
 import json
+import pathlib
+import pickle
 import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,6 +32,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.filesystem as dcp_filesystem
+import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -39,11 +47,13 @@ from chunk_grpo.checkpoint import (
     DiskFullError,
     _disk_full,
     _sha256,
+    checkpoint_problem,
     find_resumable,
     latest_checkpoint,
     print_note,
     publish_checkpoint,
     rng_state,
+    safe_load,
     set_rng_state,
     state_bytes,
 )
@@ -150,57 +160,139 @@ def save_sharded_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Modu
     return final
 
 
-def resolve_sharded_checkpoint(path: str | Path) -> Path:
-    """The checkpoint directory ``path`` names: itself, or a run directory's newest intact
-    checkpoint (skipped damaged ones are reported by rank 0)."""
+def _report(line: str) -> None:
+    if _rank() == 0:
+        print(line, flush=True)
+
+
+def shards_problem(path: Path) -> str | None:
+    """Whether every file of the sharded checkpoint ``path`` matches its manifest's sha256 (each
+    rank hashes a share: every rank calls this); None when intact or without a manifest (a
+    trusted one)."""
+    if not (path / MANIFEST).is_file():
+        return None
+    expected = json.loads((path / MANIFEST).read_text())["files"]
+    found = _file_hashes(path)
+    damaged = sorted(name for name in expected if found.get(name) != expected[name])
+    return f"{damaged[0]} does not match its manifest" if damaged else None
+
+
+def select_checkpoint(path: str | Path, *, trust: bool = False) -> Path:
+    """The checkpoint directory ``path`` names, verified: itself, or a run directory's newest
+    intact checkpoint of either format, a sharded one checked in full (every rank calls this;
+    damaged ones are skipped with a line from rank 0). Nothing is deserialised."""
     path = Path(path)
-    if not (path / MANIFEST).is_file() and (path / "checkpoints").is_dir():
-        quiet = None if _rank() == 0 else (lambda line: None)
-        path = find_resumable(path, report=quiet)
-    if not (path / SHARDS).is_dir():
+    if (path / MANIFEST).is_file() or (path / SHARDS).is_dir() or (path / "state.pt").is_file():
+        problem = checkpoint_problem(path, trust)
+        if problem is None and is_sharded_checkpoint(path):
+            problem = shards_problem(path)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {path} is damaged: {problem}; give its run "
+                                  "directory to fall back to an earlier one")
+        return path
+    if not (path / "checkpoints").is_dir():
+        raise CheckpointError(f"no checkpoint in {str(path)!r}: give a run directory or a "
+                              "step-XXXXXXXX directory")
+    damaged: dict[Path, str] = {}
+    while True:
+        found = find_resumable(path, report=_report, trust=trust, exclude=damaged)
+        problem = shards_problem(found) if is_sharded_checkpoint(found) else None
+        if problem is None:
+            return found
+        damaged[found] = problem
+
+
+def resolve_sharded_checkpoint(path: str | Path, *, trust: bool = False) -> Path:
+    """The sharded checkpoint ``path`` names (itself, or a run directory's newest intact one),
+    verified as `select_checkpoint` does."""
+    path = Path(path)
+    if (path / "checkpoints").is_dir() or is_sharded_checkpoint(path):
+        path = select_checkpoint(path, trust=trust)
+    if not is_sharded_checkpoint(path):
         raise CheckpointError(f"{path} is not a sharded checkpoint (no {SHARDS}/); give a run "
                               "directory or a step-XXXXXXXX directory written by a ddp/fsdp run")
     return path
 
 
-def read_trainer_state(path: str | Path) -> dict:
+def read_trainer_state(path: str | Path, *, trust: bool = False,
+                       verified: bool = False) -> dict:
     """trainer.pt of a sharded checkpoint (or a run's newest), without loading the shards: what
-    the run needs before it builds its model (e.g. the saved world size for resume_batch_plan)."""
-    path = resolve_sharded_checkpoint(path)
-    return torch.load(path / TRAINER, map_location="cpu", weights_only=False)
+    the run needs before it builds its model (e.g. the saved world size for resume_batch_plan).
+    ``verified``: ``path`` is a checkpoint `select_checkpoint` returned."""
+    path = Path(path) if verified else resolve_sharded_checkpoint(path, trust=trust)
+    return safe_load(path / TRAINER)
 
 
 def load_sharded_checkpoint(path: str | Path, model: torch.nn.Module,
                             optimizer: torch.optim.Optimizer, *, extra: dict | None = None,
-                            restore_rng: bool = False) -> dict:
+                            restore_rng: bool = False, trust: bool = False,
+                            verified: bool = False) -> dict:
     """Load a sharded checkpoint (or a run directory's newest intact one) into ``model``,
     ``optimizer`` and the ``extra`` tensors in place, at any world size; every rank calls this.
     Returns trainer.pt's state (with the saved ``world_size``). The files are checked against
-    the manifest's sha256 first (each rank hashes a share)."""
-    path = resolve_sharded_checkpoint(path)
-    expected = json.loads((path / MANIFEST).read_text())["files"]
-    found = _file_hashes(path)
-    found.pop(MANIFEST, None)
-    damaged = sorted(name for name in expected if found.get(name) != expected[name])
-    if damaged:
-        raise CheckpointError(f"checkpoint {path} is damaged: {damaged[0]} does not match its "
-                              "manifest; give its run directory to fall back to an earlier one")
+    the manifest's sha256 first (each rank hashes a share), unless ``verified`` (``path`` is a
+    checkpoint `select_checkpoint` returned)."""
+    path = Path(path) if verified else resolve_sharded_checkpoint(path, trust=trust)
+    trainer = safe_load(path / TRAINER)
     state = sharded_state(model, optimizer, extra)
-    _check_same_weights(path, state["model"])
-    dcp.load(state, checkpoint_id=path / SHARDS)
+    reader = SafeReader(path / SHARDS)
+    _check_same_weights(path, reader, state["model"])
+    dcp.load(state, storage_reader=reader)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"], options=_LOAD_TRAINABLE)
-    trainer = torch.load(path / TRAINER, map_location="cpu", weights_only=False)
     if restore_rng:
         print_note(set_rng_state(trainer["rng"]))
     return trainer
 
 
-def _check_same_weights(path: Path, model_state: dict) -> None:
+# What DCP's .metadata pickle is made of; anything else is refused before it is built.
+_METADATA_GLOBALS = {
+    ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("collections", "OrderedDict"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP's metadata classes, torch dtypes and sizes, and nothing else."""
+
+    def find_class(self, module: str, name: str):
+        value = getattr(dcp_metadata, name, None) if module == dcp_metadata.__name__ else None
+        allowed = ((module, name) in _METADATA_GLOBALS
+                   or (isinstance(value, type) and value.__module__ == module)
+                   or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                         torch.dtype)))
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name}")
+        return super().find_class(module, name)
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file reader with `.metadata` unpickled by `_MetadataUnpickler`: a metadata file
+    naming anything but DCP's own classes is a CheckpointError, not code that runs."""
+
+    def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
+        path = pathlib.Path(self.path) / dcp_filesystem._metadata_fn
+        try:
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except pickle.UnpicklingError as err:
+            raise CheckpointError(f"{path} names {err}, which DCP metadata never holds: refused "
+                                  "(unpickling it could run code); this checkpoint was not "
+                                  "written by chunk-grpo") from None
+        except (OSError, EOFError, ValueError, TypeError, AttributeError) as err:
+            raise CheckpointError(f"{path} does not load: {type(err).__name__}") from None
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _check_same_weights(path: Path, reader: SafeReader, model_state: dict) -> None:
     """The checkpoint trains exactly the model's trainable weights (DCP alone would ignore
     extra ones and name a missing one deep in a traceback)."""
-    saved = {key.removeprefix("model.") for key in
-             dcp.FileSystemReader(path / SHARDS).read_metadata().state_dict_metadata
+    saved = {key.removeprefix("model.") for key in reader.read_metadata().state_dict_metadata
              if key.startswith("model.")}
     wanted = set(model_state)
     if saved != wanted:

@@ -62,12 +62,19 @@ def _signed(value: float) -> str:
 def summary_text(*, run_dir: Path, reward: str, comparisons: list[Comparison], iterations: int,
                  minutes: float, hybrid_steps: int, model_dir: Path | None,
                  exports: dict[str, Path] | None = None,
-                 eval_dir_hint: str = "runs/eval-base") -> str:
-    """The summary as printed (plain text, under 80 columns wide where it can be)."""
+                 eval_dir_hint: str = "runs/eval-base", updates: dict[str, int] | None = None
+                 ) -> str:
+    """The summary as printed (plain text, under 80 columns wide where it can be). ``updates``:
+    the run's optimizer steps, skipped steps and skipped iterations (`STEP_COUNTS`);
+    ``exports``: {format: directory} of the model's exports beside ``model_dir`` (the merged)."""
     lines = ["", "=" * 72, f"chunk-grpo run finished: {run_dir}", "=" * 72]
     per_iteration = 60 * minutes / iterations if iterations else float("nan")
     lines.append(f"trained   {iterations} iterations in {minutes:.1f} min "
                  f"({per_iteration:.2f} s per iteration)")
+    if updates is not None:
+        lines.append(f"updates   {updates['optimizer_steps']} optimizer steps, "
+                     f"{updates['skipped_steps']} skipped (NaN/Inf loss or gradient), "
+                     f"{updates['reward_skipped']} iterations skipped (NaN/Inf reward)")
     for c in comparisons:
         if c.name == "eval":
             lines.append(f"held-out  {reward} on {c.n} held-out images (the same noise before "

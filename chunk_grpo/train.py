@@ -29,7 +29,6 @@ gradients are reduce-scattered every micro-batch (`chunk_grpo.sharded_load`,
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import time
 from dataclasses import dataclass, field
@@ -41,10 +40,7 @@ from tqdm.auto import tqdm
 from chunk_grpo import distributed as D
 from chunk_grpo.advantages import multi_granularity_advantages, per_reward_advantages
 from chunk_grpo.branching import sample_branch_rollouts
-from chunk_grpo.checkpoint import (
-    DiskFullError,
-    latest_checkpoint,
-)
+from chunk_grpo.checkpoint import latest_checkpoint
 from chunk_grpo.chunking import ChunkLayout, select_chunks
 from chunk_grpo.cli import run_cli
 from chunk_grpo.config import (
@@ -52,9 +48,11 @@ from chunk_grpo.config import (
     RunInterrupted,
     TrainConfig,
     build_config,
+    load_yaml,
     parse_args,
     save_config,
 )
+from chunk_grpo.errors import NothingTrained, TrainingDiverged, interruption
 from chunk_grpo.export import export_targets
 from chunk_grpo.memory_plan import check_plan
 from chunk_grpo.metrics import reward_captions
@@ -70,12 +68,14 @@ from chunk_grpo.scoring import RolloutScorer, constant_within_groups
 from chunk_grpo.specs import parse_granularities
 from chunk_grpo.trainer_checkpoint import (
     NonFiniteWeights,
+    apply_resume_changes,
+    check_fixed_keys,
     config_for_world,
     find_run_checkpoint,
     restore_run,
     save_run_checkpoint,
 )
-from chunk_grpo.trainer_eval import evaluate, export_final, finish_summary
+from chunk_grpo.trainer_eval import evaluate, finish_run, finished_complete
 from chunk_grpo.trainer_setup import (
     PolicySetup,
     PromptSets,
@@ -87,11 +87,6 @@ from chunk_grpo.trainer_setup import (
     read_prompt_sets,
     resolve_reward,
 )
-
-
-class TrainingDiverged(RuntimeError):
-    """Too many consecutive iterations with NaN/Inf rewards, losses or gradients."""
-
 
 # ----------------------------------------------------------------------------- one iteration
 
@@ -145,7 +140,8 @@ def collect_batch(tr: Trainer, step: int, timer: _PhaseTimer | None = None, *,
                   batch_size=sampling.batch_size, antithetic_noise=sampling.antithetic_noise,
                   decode=sampling.decode, mixed_precision=cfg.model.mixed_precision,
                   validate=False)  # the config is checked: the kernels skip their host reads
-    with RolloutScorer(tr.reward_fn, overlap=cfg.reward.overlap) as scorer:
+    with RolloutScorer(tr.reward_fn, overlap=cfg.reward.overlap,
+                       timeout=cfg.reward.timeout) as scorer:
         with timer("rollout"):
             if g2rpo:
                 chunks = select_chunks(tr.layout.num_chunks, 1 / tr.layout.num_chunks,
@@ -294,11 +290,16 @@ def _default_run_dir() -> Path:
 
 
 def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = False,
-        on_step_end=None) -> Path:
+        on_step_end=None, trust_checkpoint: bool = False) -> Path:
     """Train; returns the run directory (with the model exported at the end, `run.export`).
 
     ``on_step_end(step, metrics)`` is called after every iteration (e.g. to stop early).
+    ``trust_checkpoint``: resume from a checkpoint without a manifest (`chunk_grpo.checkpoint`).
+    Resuming a finished run changes nothing unless max_steps (or max_minutes) was changed.
     """
+    if cfg.run.max_steps == 0 and not resume:
+        raise ConfigError("max_steps is 0: a run with no iteration trains nothing; give "
+                          "--max-steps N (N >= 1)")
     # Before the run directory: a bad prompt file, a misspelt or failing reward or a bad model
     # path leaves nothing behind.
     prompt_sets = read_prompt_sets(cfg)
@@ -307,11 +308,13 @@ def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = F
     if info.device.type == "cuda":  # the memory plan, before a weight is loaded
         check_plan(cfg, info.world_size, torch.cuda.get_device_properties(info.device).total_memory)
     with PhaseMemory(info.device).activate() as memory:  # each phase's peak, for phases.json
-        return _run(cfg, info, prompt_sets, memory, run_dir, resume, on_step_end)
+        return _run(cfg, info, prompt_sets, memory, run_dir, resume, on_step_end,
+                    trust_checkpoint)
 
 
 def _run(cfg: TrainConfig, info: D.DistInfo, prompt_sets: PromptSets, memory: PhaseMemory,
-         run_dir: str | Path | None, resume: bool, on_step_end) -> Path:
+         run_dir: str | Path | None, resume: bool, on_step_end,
+         trust_checkpoint: bool = False) -> Path:
     with memory.phase("load"):
         # The policy first (under FSDP straight into its shards), then the reward beside it.
         setup = build_policy(cfg, info)
@@ -331,8 +334,11 @@ def _run(cfg: TrainConfig, info: D.DistInfo, prompt_sets: PromptSets, memory: Ph
         _make_run_dir(run_dir)
         lock.acquire()  # a second run on this directory stops here, before writing anything
     try:
-        tr, start, bad_streak = _start_or_resume(cfg, run_dir, info, resume, prompt_sets,
-                                                 reward_fn, setup)
+        started = _start_or_resume(cfg, run_dir, info, resume, prompt_sets, reward_fn, setup,
+                                   trust_checkpoint)
+        if started is None:  # a finished run, nothing asked of it: nothing changes
+            return run_dir
+        tr, start, bad_streak = started
         if info.is_main:
             print(f"[chunk-grpo] run dir {run_dir}; chunks {list(tr.layout.sizes)}; "
                   f"steps {start}..{cfg.run.max_steps}", flush=True)
@@ -341,24 +347,29 @@ def _run(cfg: TrainConfig, info: D.DistInfo, prompt_sets: PromptSets, memory: Ph
                   flush=True)
         _train_loop(tr, start, bad_streak, on_step_end)
         tr.logger.close()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (`chunk_grpo.cli`)
         last = latest_checkpoint(run_dir)
         where = (f"resume from {last} with --resume {run_dir}" if last is not None else
                  "no checkpoint was written yet")
-        raise RunInterrupted(f"interrupted (Ctrl-C); {where}") from None
+        what, status = interruption(err)
+        raise RunInterrupted(f"interrupted ({what}); {where}", status) from None
     finally:
         lock.release()
     return run_dir
 
 
 def _start_or_resume(cfg: TrainConfig, run_dir: Path, info: D.DistInfo, resume: bool,
-                     prompt_sets: PromptSets, reward_fn, setup: PolicySetup
-                     ) -> tuple[Trainer, int, int]:
+                     prompt_sets: PromptSets, reward_fn, setup: PolicySetup,
+                     trust_checkpoint: bool = False) -> tuple[Trainer, int, int] | None:
     """The trainer, fresh or restored from the newest intact checkpoint (either format, saved
-    at any world size); (trainer, first step, bad streak)."""
+    at any world size); (trainer, first step, bad streak), or None for a finished run that is
+    left as it is."""
     saved = None
     if resume:
-        saved = find_run_checkpoint(run_dir)
+        saved = find_run_checkpoint(run_dir, trust=trust_checkpoint)
+        check_fixed_keys(cfg, saved)
+        if _finished_unchanged(cfg, saved, run_dir, info):
+            return None
         cfg, change = config_for_world(cfg, saved, info.world_size)
         if change and info.is_main:
             print(change, flush=True)
@@ -375,10 +386,36 @@ def _start_or_resume(cfg: TrainConfig, run_dir: Path, info: D.DistInfo, resume: 
     if saved is None:
         return tr, 0, 0
     restore_run(tr, saved)
+    change = apply_resume_changes(tr, saved)
+    if change and info.is_main:
+        print(change, flush=True)
     tr.logger.truncate_after(saved.step)
     if info.is_main:
         save_config(cfg, run_dir / "config.yaml")
     return tr, saved.step, saved.bad_streak
+
+
+def _finished_unchanged(cfg: TrainConfig, saved, run_dir: Path, info: D.DistInfo) -> bool:
+    """Whether a resume leaves the run as it is: its checkpoint is the step it finished at
+    (summary and final model written) and neither max_steps was raised above it nor max_minutes
+    changed (then one line says so). A max_steps below the checkpoint's step is a ConfigError:
+    nothing is changed either."""
+    step, asked = saved.step, cfg.run.max_steps
+    finished = finished_complete(run_dir, step, export_targets(run_dir, cfg.run.export,
+                                                               cfg.model.lora_rank > 0))
+    if asked < step:
+        raise ConfigError(f"{run_dir} is at step {step}, beyond max_steps {asked}: nothing to "
+                          f"train and nothing changed; give --max-steps above {step} to train "
+                          "further")
+    before = build_config(None, saved.state["config"]).run
+    more = asked > step and (asked > before.max_steps or cfg.run.max_minutes != before.max_minutes)
+    if not finished or more:
+        return False
+    if info.is_main:
+        print(f"[chunk-grpo] {run_dir} finished at step {step} (summary.txt and the exports "
+              f"kept); nothing changed: give --max-steps above {step} to train further",
+              flush=True)
+    return True
 
 
 def _make_run_dir(run_dir: Path) -> None:
@@ -400,10 +437,12 @@ def _train_loop(tr: Trainer, start: int, bad_streak: int, on_step_end) -> None:
     t_start = time.time()
     bar = tqdm(range(start, cfg.run.max_steps), initial=start, total=cfg.run.max_steps,
                disable=not (cfg.run.progress and info.is_main), desc="chunk-grpo")
-    step = start
+    last = start
     for step in bar:
         try:
             metrics, finite = train_iteration(tr, step)
+            last = step + 1
+            _count_steps(tr.counts, metrics)
             bad_streak = 0 if finite else bad_streak + 1
             done = step + 1 == cfg.run.max_steps or (
                 cfg.run.max_minutes > 0 and time.time() - t_start > 60 * cfg.run.max_minutes)
@@ -430,23 +469,39 @@ def _train_loop(tr: Trainer, start: int, bad_streak: int, on_step_end) -> None:
             on_step_end(step + 1, metrics)
         if done:
             break
-    try:
-        with active_phase("export"):
-            exports = export_final(tr)  # every rank: a sharded model is gathered for rank 0
-    except OSError as err:
-        if err.errno != errno.ENOSPC:
-            raise
-        targets = export_targets(run_dir, cfg.run.export, cfg.model.lora_rank > 0)
-        raise DiskFullError(errno.ENOSPC, f"no space left on device to export "
-                            f"{', '.join(map(str, targets.values()))}; the last checkpoint "
-                            f"{latest_checkpoint(run_dir)} is kept: free some space and run "
-                            f"--resume {run_dir} to export it") from None
+    _check_trained(tr, last)
+    # the summary, then the exports (every rank: a sharded model is gathered for rank 0)
+    text = finish_run(tr, last, last - start, (time.time() - t_start) / 60)
     save_phase_memory(tr)
-    if info.is_main:
-        text = finish_summary(tr, step + 1, step + 1 - start, (time.time() - t_start) / 60,
-                              exports)
-        if cfg.run.progress:
-            print(text, flush=True)
+    if info.is_main and cfg.run.progress:
+        print(text, flush=True)
+
+
+def _count_steps(counts: dict[str, int], metrics: dict) -> None:
+    """Add an iteration's optimizer steps and skips to the run's counts."""
+    if metrics.get("nonfinite") == "reward":
+        counts["reward_skipped"] += 1
+    else:
+        counts["optimizer_steps"] += int(metrics["optimizer_steps"])
+        counts["skipped_steps"] += int(metrics["skipped"])
+
+
+def _check_trained(tr: Trainer, step: int) -> None:
+    """A run that took no optimizer step at all is NothingTrained, with the cause: its final
+    model would be the base (nothing is exported and no summary written)."""
+    counts = tr.counts
+    if counts["optimizer_steps"] > 0:
+        return
+    causes = []
+    if counts["reward_skipped"]:
+        causes.append(f"the rewards were NaN/Inf in {counts['reward_skipped']} iteration(s) "
+                      "(check the reward)")
+    if counts["skipped_steps"]:
+        causes.append(f"the loss or gradient were NaN/Inf at all {counts['skipped_steps']} "
+                      "optimizer step(s) (lower lr, eta or the clip range)")
+    raise NothingTrained(f"no optimizer step in {step} iteration(s): "
+                         f"{'; '.join(causes) or 'nothing was trained'}; final_model is not "
+                         f"exported (it would be the base model), {_kept_checkpoint(tr.run_dir)}")
 
 
 def _checkpoint(tr: Trainer, step: int, bad_streak: int) -> None:
@@ -488,14 +543,20 @@ def _kept_checkpoint(run_dir: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    yaml_path, overrides, resume = parse_args(argv)
+    yaml_path, overrides, resume, trust = parse_args(argv, trust_flag=True)
     if resume:
         run_dir = Path(resume)
         if not (run_dir / "config.yaml").is_file():
             raise ConfigError(f"--resume {resume}: no config.yaml there; give the run directory")
+        if not load_yaml(run_dir / "config.yaml"):
+            raise ConfigError(f"--resume {resume}: its config.yaml is empty; "
+                              "restore it (its checkpoints were saved with it)")
         # The saved config (nested, or flat from an earlier version), then the flags.
         cfg = build_config(run_dir / "config.yaml", overrides)
-        return run(cfg, run_dir=run_dir, resume=True)
+        return run(cfg, run_dir=run_dir, resume=True, trust_checkpoint=trust)
+    if trust:
+        raise ConfigError("--trust-checkpoint goes with --resume DIR (it lets a checkpoint "
+                          "without a manifest be resumed)")
     # No --config: the dataclass defaults, which configs/default.yaml spells out.
     return run(build_config(yaml_path, overrides))
 

@@ -15,20 +15,23 @@ from pathlib import Path
 import torch
 
 from chunk_grpo.checkpoint import (
+    STATE,
     CheckpointError,
-    find_resumable,
-    load_checkpoint,
     nonfinite_tensors,
+    print_note,
+    safe_load,
     save_checkpoint,
+    set_rng_state,
 )
-from chunk_grpo.config import TrainConfig, build_config
+from chunk_grpo.config import PATHS, ConfigError, TrainConfig, build_config
 from chunk_grpo.parallelize import all_finite, is_sharded
 from chunk_grpo.sharded_checkpoint import (
+    TRAINER,
     is_sharded_checkpoint,
     load_sharded_checkpoint,
-    read_trainer_state,
     resume_batch_plan,
     save_sharded_checkpoint,
+    select_checkpoint,
 )
 from chunk_grpo.trainer_setup import Trainer, checkpoint_state, restore_state
 
@@ -41,7 +44,8 @@ def _run_state(tr: Trainer, bad_streak: int) -> dict:
     """What a sharded checkpoint keeps besides the shards (rank 0's small state)."""
     return {"scheduler": tr.scheduler.state_dict(), "bad_streak": bad_streak,
             "chunk_layout": list(tr.layout.sizes), "chunk_weights": tr.chunk_weights,
-            "config": tr.cfg.to_dict(), "ema_decay": tr.ema.decay if tr.ema else None}
+            "config": tr.cfg.to_dict(), "ema_decay": tr.ema.decay if tr.ema else None,
+            "counts": dict(tr.counts)}
 
 
 def _ema_tensors(tr: Trainer) -> dict[str, torch.Tensor] | None:
@@ -82,14 +86,67 @@ class Resume:
         return is_sharded_checkpoint(self.path)
 
 
-def find_run_checkpoint(run_dir: Path) -> Resume:
-    """The newest intact checkpoint of ``run_dir`` (either format); restores the RNG state of a
-    single-file one, as an uninterrupted run would have it."""
-    path = find_resumable(run_dir)
-    state = read_trainer_state(path) if is_sharded_checkpoint(path) else load_checkpoint(path)
+def find_run_checkpoint(run_dir: Path, *, trust: bool = False) -> Resume:
+    """The newest intact checkpoint of ``run_dir`` (either format, verified against its
+    manifest before anything is read; ``trust``: one without a manifest too); restores the RNG
+    state of a single-file one, as an uninterrupted run would have it. Every rank calls this."""
+    path = select_checkpoint(run_dir, trust=trust)
+    sharded = is_sharded_checkpoint(path)
+    state = safe_load(path / (TRAINER if sharded else STATE))
+    if not sharded:
+        print_note(set_rng_state(state["rng"]))
     return Resume(path=path, step=state["step"], bad_streak=state["bad_streak"],
                   layout=tuple(state["chunk_layout"]), chunk_weights=state["chunk_weights"],
                   state=state)
+
+
+# What the checkpoint's tensors and chunk layout were built from: these cannot change on resume.
+FIXED_ON_RESUME = ("model.name", "model.lora_rank", "model.lora_alpha", "model.lora_targets",
+                   "sampling.algorithm", "sampling.steps", "sampling.sde_window",
+                   "chunks.spec", "chunks.size", "optim.name", "run.output_dir")
+
+
+def check_fixed_keys(cfg: TrainConfig, resume: Resume) -> None:
+    """A ConfigError naming every `FIXED_ON_RESUME` key whose value differs from the one the
+    checkpoint was saved with (nothing is changed)."""
+    saved = build_config(None, resume.state["config"])
+    changed = [f"{path} {saved.get(path)!r} -> {cfg.get(path)!r}" for path in FIXED_ON_RESUME
+               if saved.get(path) != cfg.get(path)]
+    if changed:
+        raise ConfigError(f"{resume.path} was saved with other values of keys that cannot change "
+                          f"on resume ({'; '.join(changed)}): resume without changing them, or "
+                          "start a new run with another output_dir")
+
+
+# Set per rank by `config_for_world`, which prints its own line when they change.
+_PER_RANK = ("sampling.prompts_per_step", "optim.grad_accum")
+# What the restored optimizer and schedule hold that the config sets.
+_OPTIMIZER_KEYS = ("optim.lr", "optim.weight_decay", "optim.beta1", "optim.beta2", "optim.eps",
+                   "optim.warmup_steps", "optim.schedule", "optim.ema_decay", "run.max_steps")
+
+
+def apply_resume_changes(tr: Trainer, resume: Resume) -> str | None:
+    """Apply to a restored trainer the settings that changed since its checkpoint (the
+    optimizer's lr, betas, eps and weight decay, the schedule's length and shape, the EMA
+    decay; everything else is read from the config as the run goes), and return the line that
+    lists every changed key (None: nothing changed)."""
+    saved, cfg = build_config(None, resume.state["config"]), tr.cfg
+    changed = [path for path in PATHS if path not in _PER_RANK and path not in FIXED_ON_RESUME
+               and saved.get(path) != cfg.get(path)]
+    if not changed:
+        return None
+    if any(path in _OPTIMIZER_KEYS for path in changed):
+        optim, scheduler = cfg.optim, tr.scheduler
+        scheduler.base_lrs = [optim.lr] * len(tr.optimizer.param_groups)
+        lrs = [optim.lr * factor(scheduler.last_epoch) for factor in scheduler.lr_lambdas]
+        for group, lr in zip(tr.optimizer.param_groups, lrs, strict=True):
+            group.update(lr=lr, initial_lr=optim.lr, weight_decay=optim.weight_decay,
+                         betas=(optim.beta1, optim.beta2), eps=optim.eps)
+        scheduler._last_lr = lrs  # what get_last_lr() reports until the next step
+        if tr.ema is not None:
+            tr.ema.decay = optim.ema_decay
+    return ("[chunk-grpo] resuming with changed settings: "
+            + ", ".join(f"{path} {saved.get(path)!r} -> {cfg.get(path)!r}" for path in changed))
 
 
 def config_for_world(cfg: TrainConfig, resume: Resume, world_size: int) -> tuple[TrainConfig,
@@ -114,8 +171,9 @@ def restore_run(tr: Trainer, resume: Resume) -> None:
     """Load ``resume`` into a freshly built trainer (every rank calls this)."""
     if resume.sharded:
         load_sharded_checkpoint(resume.path, tr.module, tr.optimizer, extra=_ema_tensors(tr),
-                                restore_rng=True)
+                                restore_rng=True, verified=True)
         tr.scheduler.load_state_dict(resume.state["scheduler"])
+        tr.counts.update(resume.state.get("counts", {}))
         return
     if is_sharded(tr.module):
         raise CheckpointError(f"{resume.path} was written by one process; resume it on one "

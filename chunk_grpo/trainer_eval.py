@@ -1,21 +1,32 @@
 """What a training run reports about its policy: the periodic and final held-out evaluation
 (with hybrid inference and the paired gain over the base), the closing summary, and the
-exported model (in the formats of `run.export`)."""
+exported model (in the formats of `run.export`).
+
+A run finishes in two stages, each recorded in RUN/finished.json once done (``{"step": N,
+"summary": true, "final_model": true}``; "final_model": every export written): the summary (the
+before/after comparison) first, then the exports, so a kill at any point loses neither; a resume
+redoes what is missing (`finish_run`), including an export format added with the resume.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import errno
+import json
 import math
+import os
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from chunk_grpo import distributed as D
+from chunk_grpo.checkpoint import DiskFullError, latest_checkpoint
 from chunk_grpo.evaluation import EvalResult, evaluate_policy
 from chunk_grpo.export import export_targets, write_exports
 from chunk_grpo.metrics import reward_captions
 from chunk_grpo.parallelize import is_sharded
+from chunk_grpo.phase_memory import active_phase
 from chunk_grpo.sharded_checkpoint import export_full_model
 from chunk_grpo.stats import mean_ci95
 from chunk_grpo.summary import (
@@ -102,17 +113,88 @@ def evaluate_split(info: D.DistInfo, policy, prompts: list[str], **settings) -> 
                       max(seconds for _, seconds, _ in shares), part.images_per_prompt)
 
 
+FINISHED = "finished.json"
+
+
+def read_finished(run_dir: Path) -> dict:
+    """RUN/finished.json: the step the run finished at and which stages are done ({} if none)."""
+    try:
+        record = json.loads((run_dir / FINISHED).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def finished_complete(run_dir: Path, step: int, targets: dict[str, Path]) -> bool:
+    """Whether the run finished at ``step`` with its summary and the exports ``targets``
+    ({format: directory}, `export_targets`) all written."""
+    record = read_finished(run_dir)
+    return (record.get("step") == step and record.get("summary") is True
+            and record.get("final_model") is True and _exported(targets))
+
+
+def _exported(targets: dict[str, Path]) -> bool:
+    return all(directory.is_dir() for directory in targets.values())
+
+
+def _record_finished(run_dir: Path, record: dict) -> None:
+    tmp = run_dir / (FINISHED + ".tmp")
+    tmp.write_text(json.dumps(record) + "\n")
+    os.replace(tmp, run_dir / FINISHED)
+
+
+def finish_run(tr: Trainer, step: int, iterations: int, minutes: float) -> str | None:
+    """The end of a run at ``step`` (every rank calls this): the summary, then the exports,
+    each recorded in RUN/finished.json when done; what a killed finish had done is kept and the
+    rest redone (the final evaluation too, if the summary was not written). Returns the
+    summary's text on rank 0."""
+    run_dir, is_main = tr.run_dir, tr.info.is_main
+    targets = export_targets(run_dir, tr.cfg.run.export, tr.cfg.model.lora_rank > 0)
+    done = read_finished(run_dir)
+    same = done.get("step") == step
+    record = {"step": step, "summary": same and done.get("summary") is True,
+              "final_model": same and done.get("final_model") is True}
+    text = None
+    if not record["summary"]:
+        if "eval" not in tr.final_evals:  # a resume of a run killed before its summary
+            with active_phase("eval"):
+                evaluate(tr, step, final=True)
+        if is_main:
+            text = finish_summary(tr, step, iterations, minutes, targets, updates=tr.counts)
+            record["summary"] = True
+            _record_finished(run_dir, record)
+    elif is_main:
+        text = (run_dir / "summary.txt").read_text()
+    if not (record["final_model"] and _exported(targets)):
+        try:
+            with active_phase("export"):
+                export_final(tr)
+        except OSError as err:
+            if err.errno != errno.ENOSPC:
+                raise
+            raise DiskFullError(errno.ENOSPC, f"no space left on device to export "
+                                f"{', '.join(map(str, targets.values()))}; the summary and the "
+                                f"last checkpoint {latest_checkpoint(run_dir)} are kept: free "
+                                f"some space and run --resume {run_dir} to export it") from None
+        if is_main:
+            record["final_model"] = True
+            _record_finished(run_dir, record)
+    D.barrier(tr.info)
+    return text
+
+
 def finish_summary(tr: Trainer, step: int, iterations: int, minutes: float,
-                   exports: dict[str, Path]) -> str:
-    """The run's closing screen (before -> after on the final evaluation), saved in the run
-    directory with a before/after grid and reported to the logging backends."""
+                   exports: dict[str, Path], updates: dict[str, int] | None = None) -> str:
+    """The run's closing screen (before -> after on the final evaluation; ``exports``: where
+    the model is written; ``updates``: the run's step counts), saved in the run directory with
+    a before/after grid, and sent to the logging backends."""
     base = tr.base_evals.get(tr.cfg.eval.final_images)
     comparisons = [] if base is None else [
         Comparison.of(name, base, res) for name, res in tr.final_evals.items()]
     text = summary_text(run_dir=tr.run_dir, reward=tr.cfg.reward.name, comparisons=comparisons,
                         iterations=iterations, minutes=minutes,
                         hybrid_steps=tr.cfg.eval.hybrid_steps, model_dir=exports.get("merged"),
-                        exports=exports)
+                        exports=exports, updates=updates)
     save_summary(tr.run_dir, text, comparisons)
     if base is not None and "eval" in tr.final_evals:
         images, captions = before_after_pairs(base, tr.final_evals["eval"])

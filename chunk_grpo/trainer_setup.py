@@ -62,6 +62,11 @@ class PromptSets:
         return [("train_prompts", self.train), ("eval_prompts", self.eval)]
 
 
+# What a run has done since its first step (kept in its checkpoints): optimizer steps taken,
+# steps skipped for a NaN/Inf loss or gradient, iterations skipped for NaN/Inf rewards.
+STEP_COUNTS = {"optimizer_steps": 0, "skipped_steps": 0, "reward_skipped": 0}
+
+
 @dataclass
 class Trainer:
     """Everything an iteration touches."""
@@ -86,6 +91,7 @@ class Trainer:
     base_evals: dict = field(default_factory=dict)  # image count -> the base's EvalResult
     final_evals: dict = field(default_factory=dict)  # "eval"/"eval_hybrid" -> final EvalResult
     warned_constant: set[str] = field(default_factory=set)  # rewards warned of as constant
+    counts: dict[str, int] = field(default_factory=lambda: dict(STEP_COUNTS))  # whole run
 
     @property
     def shift(self) -> float:
@@ -199,6 +205,11 @@ def load_checked_policy(cfg: TrainConfig, device: torch.device,
     evaluation, which may come only at the end of the run). Seeds torch first."""
     torch.manual_seed(cfg.run.seed)
     policy = load_policy(cfg, device, transformer)
+    try:
+        policy.latent_grid()
+    except ValueError as err:
+        raise ConfigError(f"model.height/model.width: {err}; choose an image size the model's "
+                          "latent grid divides") from None
     eval_steps = policy.defaults.num_steps  # evaluation samples as `chunk_grpo.evaluate` does
     if cfg.eval.hybrid_steps > eval_steps:
         raise ConfigError(f"eval_hybrid_steps={cfg.eval.hybrid_steps} exceeds the {eval_steps} "
@@ -380,6 +391,7 @@ def checkpoint_state(tr: Trainer, bad_streak: int) -> dict:
         "chunk_layout": list(tr.layout.sizes),
         "chunk_weights": tr.chunk_weights,
         "config": tr.cfg.to_dict(),
+        "counts": dict(tr.counts),
     }
 
 
@@ -390,3 +402,4 @@ def restore_state(tr: Trainer, state: dict) -> None:
     tr.scheduler.load_state_dict(state["scheduler"])
     if tr.ema is not None and state.get("ema") is not None:
         tr.ema.load_state_dict(state["ema"])
+    tr.counts.update(state.get("counts", {}))

@@ -20,9 +20,9 @@ from chunk_grpo.checkpoint import (
     latest_checkpoint,
 )
 from chunk_grpo.cli import run_command
-from chunk_grpo.cli_args import quiet_third_party
 from chunk_grpo.config import ConfigError, build_config, load_yaml
 from chunk_grpo.models.sampling_defaults import CONFIG_NAME
+from chunk_grpo.quiet import quiet_third_party
 from chunk_grpo.run_lock import RunLock
 from chunk_grpo.shapes import HELDOUT_PROMPTS_FILE
 from chunk_grpo.train import TrainingDiverged, _checkpoint, main, run
@@ -213,7 +213,7 @@ def test_ctrl_c_exits_130_naming_a_resumable_checkpoint(tmp_path, model):
             "--eval-every", "0", "--progress", "false", "--lora-rank", "0",
             "--mixed-precision", "no", "--max-minutes", "0", "--sde-window", "0"]
     # the test reward lives in the tests: register it in the child before the CLI runs
-    code = ("import sys, runpy; from chunk_grpo.cli_args import quiet_third_party; "
+    code = ("import sys, runpy; from chunk_grpo.quiet import quiet_third_party; "
             "quiet_third_party(); sys.path.insert(0, 'tests'); import trainer_utils; "
             "sys.argv = ['chunk_grpo.train'] + sys.argv[1:]; "
             "runpy.run_module('chunk_grpo.train', run_name='__main__')")
@@ -261,17 +261,26 @@ def test_evaluate_checks_its_prompts_before_sampling(tmp_path, model):
 
 def test_a_full_disk_at_export_keeps_the_checkpoint_and_says_how_to_finish(tmp_path, model,
                                                                             monkeypatch):
-    import chunk_grpo.train as train_module
+    import chunk_grpo.trainer_eval as trainer_eval
 
     def no_space(tr):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     out = tmp_path / "run"
-    monkeypatch.setattr(train_module, "export_final", no_space)
+    monkeypatch.setattr(trainer_eval, "export_final", no_space)
     with pytest.raises(DiskFullError, match=r"no space left on device to export .*final_model; "
-                                            r"the last checkpoint .*step-00000001 is kept"):
+                                            r"the summary and the last checkpoint "
+                                            r".*step-00000001 are kept"):
         run(tiny_config(model, out, max_steps=1))
     assert checkpoint_problem(latest_checkpoint(out)) is None
     monkeypatch.undo()
     run(build_config(out / "config.yaml"), run_dir=out, resume=True)  # exports, trains nothing
     assert (out / "final_model" / "model_index.json").is_file()
+
+
+def test_a_diverged_run_and_one_that_trained_nothing_are_one_line_errors():
+    from chunk_grpo.cli import _loaded_one_line_errors
+    from chunk_grpo.train import NothingTrained
+
+    kinds = _loaded_one_line_errors()
+    assert TrainingDiverged in kinds and NothingTrained in kinds

@@ -10,6 +10,7 @@ from chunk_grpo.config import ConfigError
 from chunk_grpo.models import FluxPolicy
 from chunk_grpo.prompts import (
     BUILTIN_SETS,
+    MAX_PROMPT_FILE_BYTES,
     PromptSetError,
     check_prompts,
     load_prompt_set,
@@ -84,12 +85,22 @@ def _bad(tmp_path, case):
         return "shapes:test", "unknown built-in prompt set"
     elif case == "hf-without-split":
         return "hf:org/name", "write hf:NAME:SPLIT"
+    elif case == "device":
+        return "/dev/zero", "is not a regular file"
+    elif case == "binary":
+        path.write_bytes(b"a red circle\n\x00\x00\x01")
+        return path, "is not text (a NUL byte on line 2)"
+    elif case == "too-large":
+        with open(path, "wb") as f:
+            f.truncate(MAX_PROMPT_FILE_BYTES + 1)  # sparse: nothing is written
+        return path, f"has {MAX_PROMPT_FILE_BYTES + 1} bytes, more than the 128 MiB"
     return path, "has no prompts"
 
 
 @pytest.mark.parametrize("case", ["missing", "empty", "comments-only", "latin-1", "jsonl-not-json",
                                   "jsonl-no-field", "jsonl-empty-prompt", "csv-no-column",
-                                  "split-on-a-file", "unknown-builtin", "hf-without-split"])
+                                  "split-on-a-file", "unknown-builtin", "hf-without-split",
+                                  "device", "binary", "too-large"])
 def test_bad_prompt_sets_are_one_line_errors(tmp_path, case):
     spec, message = _bad(tmp_path, case)
     with pytest.raises(PromptSetError) as err:

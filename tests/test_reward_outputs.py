@@ -8,9 +8,10 @@ from trainer_utils import tiny_config, tiny_model_dir
 from chunk_grpo.checkpoint import latest_checkpoint, load_checkpoint
 from chunk_grpo.cli import run_command
 from chunk_grpo.metrics import read_metrics
-from chunk_grpo.rewards import RewardOutputError, register_reward
+from chunk_grpo.rewards import RewardOutputError, get_reward, register_reward
 from chunk_grpo.rewards.outputs import call_reward, check_reward_output
-from chunk_grpo.train import TrainingDiverged, run
+from chunk_grpo.rewards.registry import RewardLoadError
+from chunk_grpo.train import NothingTrained, TrainingDiverged, run
 
 
 def _brightness(images):
@@ -111,7 +112,7 @@ def _config(tmp_path, mode, from_call=1, **overrides):
 
 @pytest.mark.parametrize("mode, outcome", [
     ("list", "trains"), ("numpy", "trains"), ("constant", "warns once"),
-    ("nan", "skips the step"), ("wrong_length", "stops before the run"),
+    ("nan", "stops before the run"), ("wrong_length", "stops before the run"),
     ("strings", "stops before the run"), ("raise", "stops before the run"),
 ])
 def test_bad_outputs_in_a_run(tmp_path, capsys, mode, outcome):
@@ -134,12 +135,28 @@ def test_bad_outputs_in_a_run(tmp_path, capsys, mode, outcome):
     if outcome == "trains":
         assert [r["skipped"] for r in records] == [0, 0] and warnings == 0
         assert 0 < records[0]["reward_mean"] < 1
-    elif outcome == "warns once":
-        assert warnings == 1 and records[0]["adv_abs_max"] == 0.0
     else:
-        assert [r["skipped"] for r in records] == [1, 1]
-        assert [r["nonfinite"] for r in records] == ["reward", "reward"]
-        assert latest_checkpoint(out) is None  # no good step: nothing saved as if it were
+        assert warnings == 1 and records[0]["adv_abs_max"] == 0.0
+
+
+def test_a_run_whose_rewards_are_all_nan_trains_nothing_and_fails_in_one_line(tmp_path, capsys):
+    """Finite on the start-up probe, NaN on every rollout: every iteration is skipped, and a run
+    with no optimizer step is exit 2 with the cause (no summary, no final model)."""
+    cfg = _config(tmp_path, "nan", from_call=2, max_steps=2, checkpoint_every=1,
+                  max_bad_steps=5)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        run_command(lambda: run(cfg), "prog", errors=(NothingTrained,))
+    err = _error_line(capsys.readouterr().err)
+    assert stop.value.code == 2
+    assert ("no optimizer step in 2 iteration(s): the rewards were NaN/Inf in 2 iteration(s)"
+            in err and "final_model is not exported" in err)
+    out = tmp_path / "run"
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["skipped"] for r in records] == [1, 1]
+    assert [r["nonfinite"] for r in records] == ["reward", "reward"]
+    assert latest_checkpoint(out) is None  # no good step: nothing saved as if it were
+    assert not (out / "final_model").exists() and not (out / "summary.json").exists()
 
 
 def test_a_reward_failing_mid_run_stops_in_one_line_naming_the_intact_checkpoint(tmp_path,
@@ -167,3 +184,25 @@ def test_diverged_run_names_a_checkpoint_that_exists_or_none(tmp_path):
     named = str(err.value).split("its last checkpoint ")[1].split(" is intact")[0]
     assert named.endswith("step-00000001")
     assert load_checkpoint(named, restore_rng=False)["step"] == 1
+
+
+def test_a_reward_calling_sys_exit_is_a_reward_error_not_the_end_of_the_run():
+    def quits(images, prompts):
+        raise SystemExit(0)
+
+    with pytest.raises(RewardOutputError, match=r"^reward 'quits' raised SystemExit while "
+                                                r"scoring 2 images"):
+        call_reward("quits", quits, torch.rand(2, 3, 4, 4), ["a", "b"])
+
+
+def test_a_reward_module_that_fails_to_import_is_one_line(tmp_path, monkeypatch):
+    (tmp_path / "fails_on_import.py").write_text("import os\nx = 1 / 0\n")
+    (tmp_path / "lacks_a_dependency.py").write_text("import not_a_real_package_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RewardLoadError, match=r"importing module 'fails_on_import' failed at "
+                                              r".*fails_on_import.py:2: ZeroDivisionError: "
+                                              r"division by zero; fix the module") as err:
+        get_reward("fails_on_import:r")
+    assert "\n" not in str(err.value)
+    with pytest.raises(RewardLoadError, match="No module named 'not_a_real_package_xyz'"):
+        get_reward("lacks_a_dependency:r")

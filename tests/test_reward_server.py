@@ -1,8 +1,11 @@
 """The reward server and its client, on loopback only, with a real server process: the round
 trip gives the local reward's scores, concurrent requests are batched, a server that is down or
 silent is a quick clear error, and a run whose reward server dies stops in one line with an
-intact, resumable checkpoint."""
+intact, resumable checkpoint. Under bounded load (200 concurrent clients, slow clients, huge
+claimed bodies, a hanging reward, no token) every request gets an HTTP answer naming the limit."""
 
+import http.client
+import json
 import os
 import socket
 import subprocess
@@ -19,7 +22,8 @@ from chunk_grpo.checkpoint import latest_checkpoint
 from chunk_grpo.cli import run_command
 from chunk_grpo.config import ConfigError, build_config
 from chunk_grpo.metrics import read_metrics
-from chunk_grpo.reward_server import serve
+from chunk_grpo.reward_server import Limits, is_loopback, serve
+from chunk_grpo.reward_server import main as server_main
 from chunk_grpo.rewards import RemoteReward, RewardUnavailableError, build_reward
 from chunk_grpo.rewards.outputs import RewardOutputError
 from chunk_grpo.rewards.remote import decode_score_request, encode_score_request
@@ -42,6 +46,14 @@ def slow_red():
     def score(images, prompts):
         time.sleep(0.3)  # a slow model: requests pile up meanwhile
         return images[:, 0].mean((1, 2)) - images[:, 1:].mean((1, 2, 3))
+    return score
+
+
+@register_reward("hangs")
+def hangs():
+    def score(images, prompts):
+        time.sleep(3)  # a reward that blocks far longer than the server allows
+        return images.float().mean(dim=(1, 2, 3))
     return score
 
 
@@ -143,8 +155,8 @@ def test_concurrent_requests_are_batched(served):
 class InProcessServer:
     """The same server (`reward_server.serve`) on a thread of this process: no start-up cost."""
 
-    def __init__(self, spec: str):
-        self.server, self.scorer = serve(spec, "127.0.0.1", 0, max_batch=16)
+    def __init__(self, spec: str, **options):
+        self.server, self.scorer = serve(spec, "127.0.0.1", 0, **{"max_batch": 16, **options})
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
@@ -239,3 +251,156 @@ def test_a_run_whose_reward_server_dies_stops_with_an_intact_checkpoint(tmp_path
         sys.path.remove(str(tmp_path))
     assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
     assert latest_checkpoint(tmp_path / "run").name == "step-00000003"
+
+
+# ----------------------------------------------------------------------------- bounds
+
+def _request(url: str, method: str = "POST", route: str = "/score", body: bytes = b"",
+             headers: dict | None = None) -> tuple[int, dict]:
+    """One raw request: (status, JSON answer)."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=20)
+    try:
+        conn.request(method, route, body=body, headers=headers or {})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read() or b"{}")
+    finally:
+        conn.close()
+
+
+@pytest.fixture
+def bright(served):
+    """An in-process server of a fast reward (its module is importable through `served`)."""
+    servers = []
+
+    def start(**options):
+        servers.append(InProcessServer("srv_rewards:bright", **options))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def test_200_concurrent_clients_each_get_an_answer(bright):
+    server = bright()  # 16 threads, 64 waiting: beyond that 503, never a reset
+    body = encode_score_request(_images(1, 0), ["p"])
+    statuses, errors = [], []
+
+    def client():
+        try:
+            statuses.append(_request(server.url, body=body)[0])
+        except OSError as err:
+            errors.append(err)
+
+    start = time.monotonic()
+    threads = [threading.Thread(target=client) for _ in range(200)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors and len(statuses) == 200
+    assert set(statuses) <= {200, 503} and statuses.count(200) >= 80
+    assert time.monotonic() - start < 20
+
+
+def test_a_saturated_server_answers_503_at_once(served):
+    server = InProcessServer("srv_rewards:slow_red", threads=1, queue_size=1, batch_wait=0)
+    try:
+        body = encode_score_request(_images(1, 0), ["p"])
+        statuses = []
+        threads = [threading.Thread(target=lambda: statuses.append(
+            _request(server.url, body=body))) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        codes = [status for status, _ in statuses]
+        assert len(codes) == 6 and set(codes) == {200, 503} and codes.count(200) >= 2
+        assert all("busy" in answer["error"] for status, answer in statuses if status == 503)
+    finally:
+        server.stop()
+
+
+def test_huge_bodies_are_refused_before_they_are_read(bright):
+    server = bright(limits=Limits(max_body=1 << 20))
+    for claim in (200 << 20, 50 << 30):  # 200 MB and 50 GB claimed, 100 bytes sent
+        start = time.monotonic()
+        with socket.create_connection(("127.0.0.1", server.server.server_address[1])) as sock:
+            sock.sendall(f"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: {claim}\r\n\r\n"
+                         .encode() + b"x" * 100)
+            answer = sock.makefile("rb").read()
+        assert answer.startswith(b"HTTP/1.1 413") and b"--max-body-mb" in answer
+        assert time.monotonic() - start < 3
+    status, _ = _request(server.url, body=encode_score_request(_images(1, 0), ["p"]))
+    assert status == 200  # still serving
+
+
+def test_a_slow_client_is_dropped_and_others_are_served(bright):
+    server = bright(threads=2, limits=Limits(read_timeout=0.5))
+    port = server.server.server_address[1]
+    with socket.create_connection(("127.0.0.1", port)) as slow:
+        slow.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
+                     + b"x" * 10)  # then nothing
+        status, _ = _request(server.url, body=encode_score_request(_images(1, 0), ["p"]))
+        assert status == 200  # another thread serves meanwhile
+        start = time.monotonic()
+        slow.settimeout(10)
+        answer = slow.makefile("rb").read()
+    assert answer.startswith(b"HTTP/1.1 408") and time.monotonic() - start < 5
+
+
+def test_bad_requests_are_4xx_with_a_message(bright):
+    server = bright()
+
+    def body(header: bytes, pixels: bytes = b"") -> bytes:
+        return len(header).to_bytes(4, "big") + header + pixels
+
+    cases = [
+        (dict(body=body(b'{"shape": [1, 3, Infinity, 2], "prompts": ["p"]}')), 400, "shape"),
+        (dict(body=body(b'{"shape": [1, 3, 1, 1], "prompts": "p"}')), 400, "prompts"),
+        (dict(body=body(b'{"shape": [1, 3, 1, 2], "prompts": ["p"]}', b"x")), 400,
+         "pixel bytes"),
+        (dict(body=b"", headers={"Content-Length": "abc"}), 400, "Content-Length"),
+        (dict(method="PUT"), 405, "PUT is not served"),
+        (dict(route="/nowhere"), 404, "no route"),
+    ]
+    for kwargs, status, words in cases:
+        got, answer = _request(server.url, **kwargs)
+        assert got == status and words in answer["error"], (kwargs, got, answer)
+
+
+def test_a_reward_that_hangs_is_504_and_the_client_says_so(served):
+    server = InProcessServer("srv_rewards:hangs", limits=Limits(score_timeout=0.3))
+    try:
+        status, answer = _request(server.url, body=encode_score_request(_images(1, 0), ["p"]))
+        assert status == 504 and "--score-timeout" in answer["error"]
+        with pytest.raises(RewardUnavailableError, match="answered /score with HTTP 504 2 times: "
+                                                         "its reward did not finish"):
+            RemoteReward(server.url, retries=1, backoff=0)(_images(1, 0), ["p"])
+    finally:
+        server.stop()
+
+
+def test_a_token_is_required_when_configured(bright, tmp_path, monkeypatch):
+    server = bright(limits=Limits(token="s3cret"))
+    assert _request(server.url, "GET", "/health")[0] == 401
+    wrong = {"Authorization": "Bearer nope"}
+    status, answer = _request(server.url, body=b"x" * 10, headers=wrong)
+    assert status == 401 and "bearer token" in answer["error"]
+    with pytest.raises(RewardOutputError, match="HTTP 401: missing or wrong bearer token"):
+        RemoteReward(server.url)(_images(1, 0), ["p"])
+    (tmp_path / "token").write_text("s3cret\n")
+    monkeypatch.setenv("CHUNK_GRPO_REWARD_TOKEN_FILE", str(tmp_path / "token"))
+    assert RemoteReward(server.url).health()["reward"] == "srv_rewards:bright"
+
+
+def test_bad_server_flags_are_one_line_and_a_public_host_is_warned_of(capsys):
+    for flags in (["--port", "-1"], ["--port", "0", "--batch-wait-ms", "nan"],
+                  ["--port", "0", "--token-file", "/nonexistent/token"]):
+        with pytest.raises(SystemExit) as stop:
+            server_main(["--reward", "srv_rewards:bright", *flags])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert stop.value.code == 2 and "error:" in err[-1], flags
+    assert [is_loopback(h) for h in ("127.0.0.1", "::1", "localhost", "0.0.0.0", "10.1.2.3")] \
+        == [True, True, True, False, False]

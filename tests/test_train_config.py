@@ -157,6 +157,7 @@ mix_advantage: per_reward
 reward_device: cpu
 reward_batch_size: 16
 reward_overlap: false
+reward_timeout: 0.0
 train_prompts: shapes:train
 eval_prompts: shapes:heldout
 output_dir: runs/old
@@ -241,7 +242,8 @@ OLD_FLAT_AS_NESTED = {
                   guidance=3.5, text_encoders="cache", prompt_cache_dir="/tmp/embeds",
                   tf32=True),
     "reward": dict(name="test_brightness=1.0,jpeg_compressibility=0.5",
-                   mix_advantage="per_reward", device="cpu", batch_size=16, overlap=False),
+                   mix_advantage="per_reward", device="cpu", batch_size=16, overlap=False,
+                   timeout=0.0),
     "data": dict(train_prompts="shapes:train", eval_prompts="shapes:heldout"),
     "sampling": dict(algorithm="chunk_grpo", g2rpo_granularities="1,3", steps=12, shift=2.5,
                      dynamic_shift=True, sde="dance", eta=0.5, cfg_scale=2.0, group_size=6,

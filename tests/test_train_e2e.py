@@ -118,9 +118,15 @@ def test_a_misspelt_reward_or_missing_model_fails_first_and_leaves_no_run_direct
                                                                                       capsys):
     cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", reward="test_brightnes")
     capsys.readouterr()  # the tiny model's save progress bars
-    with pytest.raises(ConfigError, match="unknown reward 'test_brightnes'.*test_brightness"):
+    with pytest.raises(ConfigError, match="unknown reward 'test_brightnes' \\(did you mean "
+                                          "'test_brightness'\\?\\)"):
         run(cfg)
     assert not (tmp_path / "run").exists()
+    odd = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", height=63)
+    with pytest.raises(ConfigError, match="height and width must be multiples of 8, got 63x32"):
+        run(odd)
+    assert not (tmp_path / "run").exists()
+    capsys.readouterr()  # its model's loading progress bars
     # On the command line: one line on stderr and exit status 2, as for argparse's errors.
     with pytest.raises(SystemExit) as stop:
         run_command(lambda: run(cfg), "python -m chunk_grpo.train")

@@ -2,6 +2,8 @@
 (metrics and weights), and checkpoints are written atomically."""
 
 
+import json
+
 import pytest
 import torch
 from trainer_utils import Killed, tiny_config, tiny_model_dir, without_times
@@ -74,3 +76,127 @@ def test_resume_flag_continues_the_saved_run(tmp_path):
     assert "max_steps: 3" in (first / "config.yaml").read_text()
     with pytest.raises(ConfigError, match="no config.yaml"):
         main(["--resume", str(tmp_path / "nowhere")])
+
+
+# ----------------------------------------------------------------------------- finished runs
+
+def _files(run_dir):
+    """Every file of a run directory with its bytes and mtime (what a no-op must not touch)."""
+    return {str(p.relative_to(run_dir)): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name != ".lock"}
+
+
+FINISHING = dict(max_steps=2, checkpoint_every=1, eval_hybrid_steps=2)
+
+
+def test_resuming_a_finished_run_changes_nothing_unless_max_steps_is_raised(tmp_path, capsys):
+    from chunk_grpo.cli import run_command
+    from chunk_grpo.train import main
+
+    out = run(tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", **FINISHING))
+    summary = (out / "summary.txt").read_text()
+    assert "updates   2 optimizer steps, 0 skipped" in summary  # one per iteration
+    assert set(json.loads((out / "summary.json").read_text())) == {"eval", "eval_hybrid"}
+    before = _files(out)
+    capsys.readouterr()
+    assert main(["--resume", str(out)]) == out
+    assert f"{out} finished at step 2" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:
+        run_command(lambda: main(["--resume", str(out), "--max-steps", "1"]), "prog")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and err[-1].startswith("prog: error: ")
+    assert "is at step 2, beyond max_steps 1: nothing to train and nothing changed" in err[-1]
+    assert _files(out) == before
+    main(["--resume", str(out), "--max-steps", "3"])  # raised: trains on, a new summary
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3]
+    assert json.loads((out / "finished.json").read_text()) == {
+        "step": 3, "summary": True, "final_model": True}
+
+
+def test_max_steps_0_on_a_fresh_run_is_refused_before_the_run_directory(tmp_path):
+    from chunk_grpo.config import ConfigError
+
+    with pytest.raises(ConfigError, match="max_steps is 0"):
+        run(tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", max_steps=0))
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("killed_in", ["export_final", "finish_summary"])
+def test_a_kill_while_finishing_keeps_the_comparison(tmp_path, monkeypatch, killed_in):
+    """Killed during the export the summary is kept; killed before it, the resume redoes the
+    final evaluation and writes the same comparison the run logged."""
+    import chunk_grpo.trainer_eval as trainer_eval
+
+    def killed(*args, **kwargs):
+        raise Killed
+
+    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", **FINISHING)
+    monkeypatch.setattr(trainer_eval, killed_in, killed)
+    with pytest.raises(Killed):
+        run(cfg)
+    monkeypatch.undo()
+    out = tmp_path / "run"
+    assert not (out / "final_model").exists()
+    kept = (out / "summary.json").read_text() if killed_in == "export_final" else None
+    assert (kept is not None) == (killed_in == "export_final")
+    run(cfg, run_dir=out, resume=True)  # trains nothing: finishes what was missing
+    summary = json.loads((out / "summary.json").read_text())
+    if kept is not None:
+        assert (out / "summary.json").read_text() == kept
+    logged = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in logged] == [1, 2]
+    assert summary["eval"]["after"] == pytest.approx(logged[-1]["eval/reward_mean"], rel=1e-6)
+    assert summary["eval"]["gain"] == pytest.approx(logged[-1]["eval/gain_vs_base"], rel=1e-6)
+    assert (out / "final_model" / "model_index.json").is_file()
+    assert json.loads((out / "finished.json").read_text())["final_model"] is True
+
+
+def test_a_run_diverging_at_once_fails_with_the_cause(tmp_path):
+    """--eta 1e6: the rollouts (so the rewards) and the loss are NaN from the first step."""
+    from chunk_grpo.train import NothingTrained
+
+    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", max_steps=1, eta=1e6)
+    with pytest.raises(NothingTrained, match=r"no optimizer step in 1 iteration\(s\): the "
+                                             r"(rewards|loss or gradient) were NaN/Inf"):
+        run(cfg)
+    assert not (tmp_path / "run" / "final_model").exists()
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_keys_that_cannot_change_on_resume_are_refused_in_one_line(tmp_path, capsys):
+    from chunk_grpo.cli import run_command
+    from chunk_grpo.train import main
+
+    out = run(tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", max_steps=1,
+                          checkpoint_every=1))
+    before = _files(out)
+
+    def refused(*flags) -> str:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as stop:
+            run_command(lambda: main(["--resume", str(out), "--max-steps", "2", *flags]), "prog")
+        lines = [line for line in capsys.readouterr().err.splitlines() if "prog:" in line]
+        assert stop.value.code == 2 and len(lines) == 1
+        return lines[0]
+
+    line = refused("--lora-rank", "2", "--chunks", "1,3")
+    assert ("cannot change on resume (model.lora_rank 0 -> 2; chunks.spec '2,2' -> '1,3')"
+            in line)
+    assert _files(out) == before
+    (out / "config.yaml").write_text("")
+    assert "its config.yaml is empty" in refused()
+
+
+def test_settings_changed_on_resume_are_applied_and_listed(tmp_path, capsys):
+    from chunk_grpo.train import main
+
+    out = run(tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", max_steps=2,
+                          checkpoint_every=1, lr=1e-3))
+    capsys.readouterr()
+    main(["--resume", str(out), "--max-steps", "3", "--lr", "5e-4", "--weight-decay", "0.1"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if "changed settings" in line]
+    assert lines == ["[chunk-grpo] resuming with changed settings: optim.lr 0.001 -> 0.0005, "
+                     "optim.weight_decay 0.0 -> 0.1, run.max_steps 2 -> 3"]
+    assert read_metrics(out / "metrics.jsonl")[-1]["lr"] == 5e-4  # the optimizer's, not 1e-3
+    group = load_checkpoint(out, restore_rng=False)["optimizer"]["param_groups"][0]
+    assert (group["lr"], group["weight_decay"]) == (5e-4, 0.1)

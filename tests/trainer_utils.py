@@ -72,5 +72,7 @@ class Killed(Exception):
 
 
 def without_times(records: list[dict]) -> list[dict]:
-    """Metrics records without their wall-time fields (the part a rerun reproduces exactly)."""
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in records]
+    """Metrics records without their wall-time and measured-memory fields (the part a rerun
+    reproduces exactly: a process's allocator peaks depend on what ran before in it)."""
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "memory/"))}
+            for r in records]

@@ -103,7 +103,7 @@ def check_tokenizers(pipeline: FluxPipeline, source: str) -> None:
 
 def _follow_progress_bar_setting() -> None:
     """diffusers' and transformers' loading bars obey HF_HUB_DISABLE_PROGRESS_BARS only for
-    downloads; the commands set it when quiet (`chunk_grpo.cli_args.quiet_third_party`), so
+    downloads; the commands set it when quiet (`chunk_grpo.quiet.quiet_third_party`), so
     apply it to the loading bars too."""
     if os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "").lower() in ("1", "true", "yes"):
         diffusers_logging.disable_progress_bar()

@@ -73,7 +73,7 @@ def call_reward(label: str, reward, images: torch.Tensor, prompts: list[str]) ->
         output = reward(images, prompts)
     except RewardError:
         raise
-    except Exception as err:
+    except (Exception, SystemExit) as err:  # a reward calling sys.exit() must not end a run
         raise RewardOutputError(
             f"reward {label!r} raised {type(err).__name__} while scoring {len(prompts)} images: "
             f"{_first_line(str(err))}; fix the reward (the traceback is chained to this error)"

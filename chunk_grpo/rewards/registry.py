@@ -9,7 +9,9 @@ which runs its `@register_reward` decorators. "remote:URL" is the client of a re
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import traceback
 from collections.abc import Callable
 from typing import Protocol
 
@@ -65,11 +67,24 @@ def _import_reward_module(spec: str) -> str:
     try:
         importlib.import_module(module)
     except ModuleNotFoundError as err:
-        if err.name is None or not module.startswith(err.name):
-            raise  # the module exists but one of its own imports is missing
+        if err.name is None or not module.startswith(err.name):  # one of its own imports
+            raise RewardLoadError(_import_failed(spec, module, err)) from err
         raise UnknownRewardError(f"reward {spec!r}: cannot import module {module!r}; run from "
                                  f"the directory that holds it or add it to PYTHONPATH") from None
+    except Exception as err:  # the module's own code failed: name where, in one line
+        raise RewardLoadError(_import_failed(spec, module, err)) from err
     return name
+
+
+def _import_failed(spec: str, module: str, err: Exception) -> str:
+    """One line: which module failed to import, where in it, and why."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if not f.filename.startswith("<frozen")]
+    where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    detail = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return (f"reward {spec!r}: importing module {module!r} failed{where}: "
+            f"{type(err).__name__}{': ' + detail if detail else ''}; fix the module (or install "
+            "what it imports)")
 
 
 def reward_factory(spec: str) -> tuple[Callable[..., Reward], dict]:
@@ -83,6 +98,8 @@ def reward_factory(spec: str) -> tuple[Callable[..., Reward], dict]:
             raise UnknownRewardError(f"reward {spec!r} is a mix: build it with "
                                      f"chunk_grpo.rewards.build_reward, not get_reward")
         where = f" after importing {spec.partition(':')[0]!r}" if spec != name else ""
+        close = difflib.get_close_matches(name, available_rewards(), n=1)
+        where += f" (did you mean {close[0]!r}?)" if close else ""
         raise UnknownRewardError(f"unknown reward {name!r}{where}; available: "
                                  f"{available_rewards()}. Register your own with "
                                  f"@register_reward('name') in a module and pass 'module:name'")

@@ -4,8 +4,12 @@ Each call POSTs the images (as 8-bit pixels) and prompts to ``URL/score`` and re
 server's scores. A connection that cannot be opened within ``connect_timeout``, an answer that
 does not come within ``read_timeout``, or a server that is busy (502/503/504) is retried
 ``retries`` times with exponential backoff; then a `RewardUnavailableError` names the URL and
-how to start the server. A request the server rejects (400) or a reward that failed on the server
-(500) is a `RewardOutputError` at once: trying again would give the same answer.
+how to start the server (or, when the server is up but answered 503/504 every time, that it is
+busy or its reward timed out). A request the server rejects (4xx) or a reward that failed on the
+server (500) is a `RewardOutputError` at once: trying again would give the same answer.
+A server started with ``--token-file`` needs its token: the client sends
+``Authorization: Bearer TOKEN`` with TOKEN from ``$CHUNK_GRPO_REWARD_TOKEN``, or the first line
+of the file ``$CHUNK_GRPO_REWARD_TOKEN_FILE``.
 The wire format is documented in `chunk_grpo.reward_server`; `encode_score_request` and
 `decode_score_request` are its two halves.
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 import http.client
 import json
 import math
+import os
 import struct
 import time
 from urllib.parse import urlsplit
@@ -28,6 +33,28 @@ from chunk_grpo.rewards.registry import register_reward
 
 _HEADER_LENGTH = struct.Struct(">I")  # 4-byte big-endian length of the JSON header
 _RETRY_STATUSES = (502, 503, 504)
+_BUSY_MEANING = {502: "a proxy could not reach it", 503: "it is busy (its --threads and --queue "
+                 "are full)", 504: "its reward did not finish within its --score-timeout"}
+TOKEN_ENV, TOKEN_FILE_ENV = "CHUNK_GRPO_REWARD_TOKEN", "CHUNK_GRPO_REWARD_TOKEN_FILE"
+
+
+def client_token() -> str | None:
+    """The reward server's bearer token from the environment (None: send none)."""
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    if token:
+        return token
+    path = os.environ.get(TOKEN_FILE_ENV, "")
+    if not path:
+        return None
+    try:
+        lines = open(path).read().strip().splitlines()  # noqa: SIM115 (read at once)
+    except (OSError, UnicodeDecodeError) as err:
+        raise RewardSpecError(f"{TOKEN_FILE_ENV}={path}: {getattr(err, 'strerror', None) or err}"
+                              ) from None
+    if not lines or not lines[0].strip():
+        raise RewardSpecError(f"{TOKEN_FILE_ENV}={path} is empty: write the token on its first "
+                              "line")
+    return lines[0].strip()
 
 
 def encode_score_request(images: torch.Tensor, prompts: list[str]) -> bytes:
@@ -48,8 +75,12 @@ def decode_score_request(body: bytes) -> tuple[torch.Tensor, list[str]]:
     (length,) = _HEADER_LENGTH.unpack_from(body)
     try:
         header = json.loads(body[_HEADER_LENGTH.size:_HEADER_LENGTH.size + length])
-        shape, prompts = [int(v) for v in header["shape"]], header["prompts"]
-    except (ValueError, KeyError, TypeError) as err:
+        shape, prompts = header["shape"], header["prompts"]
+        if not (isinstance(shape, list) and all(type(v) is int for v in shape)):
+            raise TypeError(f"shape must be a list of integers, got {str(shape)[:80]}")
+        if not isinstance(prompts, list):
+            raise TypeError(f"prompts must be a list, got {type(prompts).__name__}")
+    except (ValueError, KeyError, TypeError, RecursionError) as err:
         raise ValueError(f"the JSON header must hold 'shape' and 'prompts': {err}") from None
     if len(shape) != 4 or shape[1] != 3 or shape[0] != len(prompts) or min(shape) < 1:
         raise ValueError(f"shape must be [B, 3, H, W] with B = {len(prompts)} prompts, got "
@@ -90,6 +121,7 @@ class RemoteReward:
         self.scheme, self.host, self.port, self.path = parse_server_url(self.url)
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
         self.retries, self.backoff = retries, backoff
+        self.token = client_token()
 
     def _request(self, method: str, route: str, body: bytes | None = None) -> tuple[int, bytes]:
         kind = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
@@ -98,6 +130,8 @@ class RemoteReward:
             conn.connect()
             conn.sock.settimeout(self.read_timeout)
             headers = {"Content-Type": "application/octet-stream"} if body is not None else {}
+            if self.token is not None:
+                headers["Authorization"] = f"Bearer {self.token}"
             conn.request(method, self.path + route, body=body, headers=headers)
             response = conn.getresponse()
             return response.status, response.read()
@@ -105,14 +139,14 @@ class RemoteReward:
             conn.close()
 
     def _with_retries(self, method: str, route: str, body: bytes | None = None) -> bytes:
-        last = ""
+        last, status = "", None
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
             try:
                 status, data = self._request(method, route, body)
             except (OSError, http.client.HTTPException) as err:
-                last = f"{type(err).__name__}: {err}"
+                last, status = f"{type(err).__name__}: {err}", None
                 continue
             if status in _RETRY_STATUSES:
                 last = f"HTTP {status}"
@@ -125,6 +159,10 @@ class RemoteReward:
                 raise RewardOutputError(f"reward server {self.url} answered HTTP {status}: "
                                         f"{message}")
             return data
+        if status is not None:  # up, but busy or timing out every time
+            raise RewardUnavailableError(
+                f"reward server {self.url} answered {route} with HTTP {status} "
+                f"{self.retries + 1} times: {_BUSY_MEANING.get(status, 'busy')}")
         raise RewardUnavailableError(
             f"reward server {self.url} did not answer {route} after {self.retries + 1} attempts "
             f"(last: {last}); start it with `python -m chunk_grpo.reward_server --reward NAME "
