@@ -182,6 +182,13 @@ class RunConfig:
     keep_checkpoints: int = 2
     max_bad_steps: int = 3  # consecutive non-finite steps before the run stops
     progress: bool = True
+    # what is written at the end: auto (merged, plus lora on a LoRA run) | merged | lora |
+    # transformer, several allowed (chunk_grpo.export)
+    export: list[str] = field(default_factory=lambda: ["auto"])
+    # where metrics, image grids and the summary go: tensorboard | jsonl | wandb, several allowed
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard", "jsonl"])
+    name: str = ""  # the run's name (in wandb); "" = the run directory's name
+    wandb_project: str = "chunk-grpo"
 
 
 # The flat names of earlier versions, each an alias of one dotted path (command line, YAML,

@@ -20,6 +20,7 @@ from chunk_grpo.specs import (
     ChunkSpecError,
     GranularityError,
     chunk_sizes,
+    export_formats,
     lora_target_modules,
     parse_granularities,
 )
@@ -45,6 +46,7 @@ CHOICES = {
     "model.text_encoders": ("keep", "cache", "cpu"),
     "model.base_quantization": ("none", "nf4", "int8"),
 }
+REPORT_TO = ("tensorboard", "jsonl", "wandb")  # run.report_to: the logging backends
 _AT_LEAST_ONE = ("sampling.steps", "sampling.group_size", "sampling.prompts_per_step",
                  "sampling.batch_size", "optim.micro_batch_size", "optim.ppo_epochs",
                  "chunks.profile_prompts", "chunks.max_size", "eval.images", "eval.final_images",
@@ -180,7 +182,23 @@ def _check_specs(cfg: TrainConfig, name: Callable[[str], str]) -> None:
             lora_target_modules(cfg.model.lora_targets)
         except ValueError as err:
             raise ConfigError(str(err)) from None
+    try:
+        export_formats(cfg.run.export, cfg.model.lora_rank > 0)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    _check_report_to(cfg.run.report_to)
     if cfg.sampling.algorithm == "g2rpo" and not cfg.sampling.shared_noise:
         raise ConfigError(f"{name('sampling.algorithm')} g2rpo branches one ODE trajectory per "
                           f"prompt, so the group shares its initial noise: set "
                           f"{name('sampling.shared_noise')}: true")
+
+
+def _check_report_to(backends: list[str]) -> None:
+    """Known logging backends; wandb installed when asked for (it is an optional extra)."""
+    unknown = [b for b in backends if b not in REPORT_TO]
+    if unknown:
+        raise ConfigError(f"run.report_to: {unknown[0]!r} is not a logging backend; give any of "
+                          f"{', '.join(REPORT_TO)}")
+    if "wandb" in backends and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("run.report_to: wandb is not installed; pip install 'chunk-grpo[wandb]' "
+                          "(or wandb>=0.17), or drop wandb from run.report_to")

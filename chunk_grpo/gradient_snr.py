@@ -146,7 +146,8 @@ def measure(cfg: TrainConfig, iterations: int = 16, first_step: int = 0,
     if info.world_size > 1:
         raise ConfigError("gradient_snr runs in one process; start it without torchrun")
     with tempfile.TemporaryDirectory() as scratch:
-        cfg = cfg.with_changes({"eval.hybrid_steps": 0})  # no frozen base copy needed
+        # no frozen base copy needed; the scratch run logs nowhere but its own directory
+        cfg = cfg.with_changes({"eval.hybrid_steps": 0, "run.report_to": ["jsonl"]})
         tr = build_trainer(cfg, Path(scratch), info)
         start = time.perf_counter()
         grads, rewards = iteration_gradients(

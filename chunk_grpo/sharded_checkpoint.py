@@ -13,7 +13,8 @@ Nothing in it runs as code: trainer.pt is read with ``torch.load(weights_only=Tr
 `.metadata` (a pickle by torch's design) with an unpickler that builds only DCP's metadata
 classes (`SafeReader`), both after their sha256 matched the manifest.
 
-The final model is gathered once, onto rank 0's CPU, by `export_full_model`.
+The final model is gathered once, onto rank 0's CPU, by `export_full_model`, and written there
+in the run's export formats.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import json
 import pathlib
 import pickle
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,8 +57,9 @@ from chunk_grpo.checkpoint import (
     set_rng_state,
     state_bytes,
 )
+from chunk_grpo.export import write_exports
 from chunk_grpo.parallelize import unwrapped
-from chunk_grpo.policy_setup import export_pipeline, uses_lora
+from chunk_grpo.policy_setup import uses_lora
 
 FORMAT = "dcp"
 SHARDS = "shards"
@@ -374,18 +377,21 @@ def plain_transformer(model: torch.nn.Module, full_state: dict[str, torch.Tensor
     return plain
 
 
-def export_full_model(pipeline, model: torch.nn.Module, out_dir: str | Path, *, defaults=None,
-                      dtype: torch.dtype = torch.bfloat16) -> Path:
-    """final_model/: the trained transformer gathered to rank 0's CPU, LoRA merged, saved in
-    ``dtype`` (bf16 safetensors by default) with the rest of ``pipeline`` in diffusers layout.
-    Every rank calls this; rank 0 writes. The GPU holds one full tensor at a time (gathered,
-    then copied to the CPU); rank 0's CPU the whole trained state once (cast in place)."""
+def export_full_model(pipeline, model: torch.nn.Module, targets: Mapping[str, Path] | str | Path,
+                      *, defaults=None, dtype: torch.dtype = torch.bfloat16) -> dict[str, Path]:
+    """The trained transformer gathered to rank 0's CPU and written there in each format of
+    ``targets`` ({format: directory}, `chunk_grpo.export`; a single directory is the merged
+    export), in ``dtype`` (bf16 safetensors by default). Every rank calls this; rank 0 writes
+    and gets the directories written. The GPU holds one full tensor at a time (gathered, then
+    copied to the CPU); rank 0's CPU the whole trained state once (cast in place)."""
+    if not isinstance(targets, Mapping):
+        targets = {"merged": Path(targets)}
     full = gather_full_state(model)
-    out_dir = Path(out_dir)
+    written = {}
     if _rank() == 0:
         plain = plain_transformer(model, full)
         full.clear()  # the plain copy holds the tensors: casting it frees each fp32 one
-        export_pipeline(pipeline, plain, out_dir, defaults=defaults, dtype=dtype,
-                        copy_weights=False)
+        written = write_exports(pipeline, plain, targets, defaults=defaults, dtype=dtype,
+                                copy_weights=False)
     _barrier()
-    return out_dir
+    return written

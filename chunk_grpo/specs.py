@@ -1,5 +1,5 @@
-"""The string specs of the configuration, parsed without torch: chunk sizes, G2RPO strides and
-LoRA target presets.
+"""The string specs of the configuration, parsed without torch: chunk sizes, G2RPO strides,
+LoRA target presets and the export formats.
 
 `chunk_grpo.config` checks these before any model loads (a command answers a bad flag before it
 imports torch); `chunk_grpo.chunking` and `chunk_grpo.branching` build on the same parsers.
@@ -113,3 +113,26 @@ def lora_target_modules(spec: str | list[str] | tuple[str, ...]) -> list[str]:
 def preset_name(spec: str | list[str] | tuple[str, ...]) -> str | None:
     names = [spec] if isinstance(spec, str) else list(spec)
     return names[0] if len(names) == 1 and names[0] in LORA_PRESETS else None
+
+
+# What a run writes at the end (`run.export`), in the order they are written and reported.
+EXPORT_FORMATS = ("merged", "lora", "transformer")
+
+
+def export_formats(spec: list[str] | tuple[str, ...], lora: bool) -> tuple[str, ...]:
+    """The exports of a run: the formats named (`EXPORT_FORMATS`), where "auto" means merged,
+    plus lora on a LoRA run. ``lora``: whether the run trains LoRA adapters."""
+    names = set(spec)
+    unknown = sorted(names - {"auto", *EXPORT_FORMATS})
+    if unknown:
+        raise ValueError(f"run.export: {unknown[0]!r} is not an export format; give one or more "
+                         f"of auto, {', '.join(EXPORT_FORMATS)}")
+    if not names:
+        raise ValueError(f"run.export is empty; give one or more of auto, "
+                         f"{', '.join(EXPORT_FORMATS)}")
+    if "lora" in names and not lora:
+        raise ValueError("run.export: lora needs LoRA adapters (model.lora_rank > 0) and this run "
+                         "fine-tunes the whole transformer; export merged or transformer")
+    if "auto" in names:
+        names |= {"merged", "lora"} if lora else {"merged"}
+    return tuple(f for f in EXPORT_FORMATS if f in names)

@@ -1,5 +1,6 @@
 """The one screen a training run ends with: did the reward move, did prompt fidelity hold, where
-everything is, and what to run next. Also a before/after image grid of the held-out evaluation.
+everything is, and what to run next. Also the before/after image pairs of the held-out
+evaluation.
 
 The gain is paired: the base model and the trained one sample the same prompts from the same
 initial noise, so the per-image differences cancel the prompt-to-prompt spread (see
@@ -15,7 +16,6 @@ from pathlib import Path
 
 import torch
 
-from chunk_grpo.metrics import save_image_grid
 from chunk_grpo.stats import mean_ci95
 
 # The GenEval-like checks of the shapes world, in the order a reader scans them.
@@ -61,10 +61,12 @@ def _signed(value: float) -> str:
 
 def summary_text(*, run_dir: Path, reward: str, comparisons: list[Comparison], iterations: int,
                  minutes: float, hybrid_steps: int, model_dir: Path | None,
+                 exports: dict[str, Path] | None = None,
                  eval_dir_hint: str = "runs/eval-base", updates: dict[str, int] | None = None
                  ) -> str:
     """The summary as printed (plain text, under 80 columns wide where it can be). ``updates``:
-    the run's optimizer steps, skipped steps and skipped iterations (`STEP_COUNTS`)."""
+    the run's optimizer steps, skipped steps and skipped iterations (`STEP_COUNTS`);
+    ``exports``: {format: directory} of the model's exports beside ``model_dir`` (the merged)."""
     lines = ["", "=" * 72, f"chunk-grpo run finished: {run_dir}", "=" * 72]
     per_iteration = 60 * minutes / iterations if iterations else float("nan")
     lines.append(f"trained   {iterations} iterations in {minutes:.1f} min "
@@ -107,10 +109,28 @@ def summary_text(*, run_dir: Path, reward: str, comparisons: list[Comparison], i
         lines.append(f"evaluate  python -m chunk_grpo.evaluate --out {eval_dir_hint}   (once)")
         lines.append(f"          python -m chunk_grpo.evaluate --model {quoted} --compare "
                      f"{eval_dir_hint}")
+    exports = exports or {}
+    if "lora" in exports:
+        lines.append(f"lora      {exports['lora'] / 'pytorch_lora_weights.safetensors'}")
+        lines.append("          (diffusers: FluxPipeline.load_lora_weights on the base model)")
+    if "transformer" in exports:
+        lines.append(f"weights   {exports['transformer']} (the merged FluxTransformer2DModel "
+                     "alone)")
     lines.append(f"resume    python -m chunk_grpo.train --resume {shlex.quote(str(run_dir))} "
                  "--max-steps N --max-minutes M")
     lines.append("=" * 72)
     return "\n".join(lines)
+
+
+def summary_numbers(comparisons: list[Comparison]) -> dict[str, float]:
+    """The summary's numbers, flat ("final/eval/gain"), for a logging backend's run summary."""
+    keys = ("before", "before_ci95", "after", "after_ci95", "gain", "gain_ci95",
+            "changed_fraction", "n")
+    out = {f"final/{c.name}/{key}": getattr(c, key) for c in comparisons for key in keys}
+    for c in comparisons:
+        out.update({f"final/{c.name}/{key}_before": v for key, v in c.attributes_before.items()})
+        out.update({f"final/{c.name}/{key}_after": v for key, v in c.attributes_after.items()})
+    return out
 
 
 def save_summary(run_dir: Path, text: str, comparisons: list[Comparison]) -> None:
@@ -120,13 +140,13 @@ def save_summary(run_dir: Path, text: str, comparisons: list[Comparison]) -> Non
     (run_dir / "summary.json").write_text(json.dumps(data, indent=2) + "\n")
 
 
-def before_after_grid(base, trained, path: Path, pairs: int = 16) -> Path:
+def before_after_pairs(base, trained, pairs: int = 16) -> tuple[torch.Tensor, list[str]]:
     """Each held-out image of the base beside the trained model's image from the same noise,
-    captioned with its reward: 4 pairs per row (the captions also in a .txt beside it)."""
+    captioned with its reward: the images and captions of a grid of 4 pairs per row."""
     k = min(pairs, base.images.shape[0], trained.images.shape[0])
     images = torch.stack([img for i in range(k)
                           for img in (base.images[i], trained.images[i])])
     captions = [text for i in range(k) for text in (
         f"before {float(base.rewards[i]):.2f}  {base.prompts[i]}",
         f"after {float(trained.rewards[i]):.2f}")]
-    return save_image_grid(images, path, captions, columns=8)
+    return images, captions

@@ -53,8 +53,9 @@ from chunk_grpo.config import (
     save_config,
 )
 from chunk_grpo.errors import NothingTrained, TrainingDiverged, interruption
+from chunk_grpo.export import export_targets
 from chunk_grpo.memory_plan import check_plan
-from chunk_grpo.metrics import reward_captions, save_image_grid
+from chunk_grpo.metrics import reward_captions
 from chunk_grpo.parallelize import any_rank, clip_grad_norm, sync_gradients
 from chunk_grpo.phase_memory import PhaseMemory, active_phase, current
 from chunk_grpo.policy_update import TrainUnit, UpdateRecord, accumulate_gradients, plan_units
@@ -179,8 +180,8 @@ def collect_batch(tr: Trainer, step: int, timer: _PhaseTimer | None = None, *,
     if info.is_main:
         _warn_if_constant(tr, gathered_parts[0], step)
     if cfg.run.image_grid_every and step % cfg.run.image_grid_every == 0 and info.is_main:
-        save_image_grid(rollout.images, tr.run_dir / "images" / f"rollout-{step:06d}.png",
-                        reward_captions(row_prompts, scores[0]), columns=sampling.group_size)
+        tr.logger.image_grid(step, "rollout", rollout.images,
+                             reward_captions(row_prompts, scores[0]), columns=sampling.group_size)
 
     # 4. group-relative advantages (G2RPO: summed over the finishes)
     if cfg.reward.mix_advantage == "per_reward":
@@ -290,7 +291,7 @@ def _default_run_dir() -> Path:
 
 def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = False,
         on_step_end=None, trust_checkpoint: bool = False) -> Path:
-    """Train; returns the run directory (with final_model/ exported at the end).
+    """Train; returns the run directory (with the model exported at the end, `run.export`).
 
     ``on_step_end(step, metrics)`` is called after every iteration (e.g. to stop early).
     ``trust_checkpoint``: resume from a checkpoint without a manifest (`chunk_grpo.checkpoint`).
@@ -400,7 +401,8 @@ def _finished_unchanged(cfg: TrainConfig, saved, run_dir: Path, info: D.DistInfo
     changed (then one line says so). A max_steps below the checkpoint's step is a ConfigError:
     nothing is changed either."""
     step, asked = saved.step, cfg.run.max_steps
-    finished = finished_complete(run_dir, step)
+    finished = finished_complete(run_dir, step, export_targets(run_dir, cfg.run.export,
+                                                               cfg.model.lora_rank > 0))
     if asked < step:
         raise ConfigError(f"{run_dir} is at step {step}, beyond max_steps {asked}: nothing to "
                           f"train and nothing changed; give --max-steps above {step} to train "
@@ -410,7 +412,7 @@ def _finished_unchanged(cfg: TrainConfig, saved, run_dir: Path, info: D.DistInfo
     if not finished or more:
         return False
     if info.is_main:
-        print(f"[chunk-grpo] {run_dir} finished at step {step} (summary.txt and final_model "
+        print(f"[chunk-grpo] {run_dir} finished at step {step} (summary.txt and the exports "
               f"kept); nothing changed: give --max-steps above {step} to train further",
               flush=True)
     return True
@@ -468,7 +470,7 @@ def _train_loop(tr: Trainer, start: int, bad_streak: int, on_step_end) -> None:
         if done:
             break
     _check_trained(tr, last)
-    # the summary, then final_model/ (every rank: a sharded model is gathered for rank 0)
+    # the summary, then the exports (every rank: a sharded model is gathered for rank 0)
     text = finish_run(tr, last, last - start, (time.time() - t_start) / 60)
     save_phase_memory(tr)
     if info.is_main and cfg.run.progress:

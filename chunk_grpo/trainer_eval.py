@@ -1,10 +1,11 @@
 """What a training run reports about its policy: the periodic and final held-out evaluation
 (with hybrid inference and the paired gain over the base), the closing summary, and the
-exported model.
+exported model (in the formats of `run.export`).
 
 A run finishes in two stages, each recorded in RUN/finished.json once done (``{"step": N,
-"summary": true, "final_model": true}``): the summary (the before/after comparison) first, then
-the export, so a kill at any point loses neither; a resume redoes what is missing (`finish_run`).
+"summary": true, "final_model": true}``; "final_model": every export written): the summary (the
+before/after comparison) first, then the exports, so a kill at any point loses neither; a resume
+redoes what is missing (`finish_run`), including an export format added with the resume.
 """
 
 from __future__ import annotations
@@ -22,13 +23,19 @@ import torch.distributed as dist
 from chunk_grpo import distributed as D
 from chunk_grpo.checkpoint import DiskFullError, latest_checkpoint
 from chunk_grpo.evaluation import EvalResult, evaluate_policy
-from chunk_grpo.metrics import reward_captions, save_image_grid
+from chunk_grpo.export import export_targets, write_exports
+from chunk_grpo.metrics import reward_captions
 from chunk_grpo.parallelize import is_sharded
 from chunk_grpo.phase_memory import active_phase
-from chunk_grpo.policy_setup import export_pipeline
 from chunk_grpo.sharded_checkpoint import export_full_model
 from chunk_grpo.stats import mean_ci95
-from chunk_grpo.summary import Comparison, before_after_grid, save_summary, summary_text
+from chunk_grpo.summary import (
+    Comparison,
+    before_after_pairs,
+    save_summary,
+    summary_numbers,
+    summary_text,
+)
 from chunk_grpo.trainer_setup import Trainer
 from chunk_grpo.weights_dtype import resolve_weights_dtype
 
@@ -69,11 +76,9 @@ def evaluate(tr: Trainer, step: int, final: bool = False) -> dict:
                 out[f"{name}/gain_vs_base"], out[f"{name}/gain_ci95"] = gain, gain_ci
             if final:
                 tr.final_evals[name] = dataclasses.replace(res, images=res.images[:GRID_IMAGES])
-            if tr.info.is_main:
-                save_image_grid(res.images[:GRID_IMAGES],
-                                tr.run_dir / "images" / f"{name}-{step:06d}.png",
-                                reward_captions(res.prompts[:GRID_IMAGES],
-                                                res.rewards[:GRID_IMAGES]))
+            tr.logger.image_grid(step, name, res.images[:GRID_IMAGES],
+                                 reward_captions(res.prompts[:GRID_IMAGES],
+                                                 res.rewards[:GRID_IMAGES]))
     finally:
         if tr.ema is not None:
             tr.ema.swap()
@@ -120,11 +125,16 @@ def read_finished(run_dir: Path) -> dict:
     return record if isinstance(record, dict) else {}
 
 
-def finished_complete(run_dir: Path, step: int) -> bool:
-    """Whether the run finished at ``step`` with its summary and final model both written."""
+def finished_complete(run_dir: Path, step: int, targets: dict[str, Path]) -> bool:
+    """Whether the run finished at ``step`` with its summary and the exports ``targets``
+    ({format: directory}, `export_targets`) all written."""
     record = read_finished(run_dir)
     return (record.get("step") == step and record.get("summary") is True
-            and record.get("final_model") is True and (run_dir / "final_model").is_dir())
+            and record.get("final_model") is True and _exported(targets))
+
+
+def _exported(targets: dict[str, Path]) -> bool:
+    return all(directory.is_dir() for directory in targets.values())
 
 
 def _record_finished(run_dir: Path, record: dict) -> None:
@@ -134,11 +144,12 @@ def _record_finished(run_dir: Path, record: dict) -> None:
 
 
 def finish_run(tr: Trainer, step: int, iterations: int, minutes: float) -> str | None:
-    """The end of a run at ``step`` (every rank calls this): the summary, then final_model/,
+    """The end of a run at ``step`` (every rank calls this): the summary, then the exports,
     each recorded in RUN/finished.json when done; what a killed finish had done is kept and the
     rest redone (the final evaluation too, if the summary was not written). Returns the
     summary's text on rank 0."""
     run_dir, is_main = tr.run_dir, tr.info.is_main
+    targets = export_targets(run_dir, tr.cfg.run.export, tr.cfg.model.lora_rank > 0)
     done = read_finished(run_dir)
     same = done.get("step") == step
     record = {"step": step, "summary": same and done.get("summary") is True,
@@ -149,13 +160,12 @@ def finish_run(tr: Trainer, step: int, iterations: int, minutes: float) -> str |
             with active_phase("eval"):
                 evaluate(tr, step, final=True)
         if is_main:
-            text = finish_summary(tr, iterations, minutes, run_dir / "final_model",
-                                  updates=tr.counts)
+            text = finish_summary(tr, step, iterations, minutes, targets, updates=tr.counts)
             record["summary"] = True
             _record_finished(run_dir, record)
     elif is_main:
         text = (run_dir / "summary.txt").read_text()
-    if not (record["final_model"] and (run_dir / "final_model").is_dir()):
+    if not (record["final_model"] and _exported(targets)):
         try:
             with active_phase("export"):
                 export_final(tr)
@@ -163,9 +173,9 @@ def finish_run(tr: Trainer, step: int, iterations: int, minutes: float) -> str |
             if err.errno != errno.ENOSPC:
                 raise
             raise DiskFullError(errno.ENOSPC, f"no space left on device to export "
-                                f"{run_dir / 'final_model'}; the summary and the last checkpoint "
-                                f"{latest_checkpoint(run_dir)} are kept: free some space and run "
-                                f"--resume {run_dir} to export it") from None
+                                f"{', '.join(map(str, targets.values()))}; the summary and the "
+                                f"last checkpoint {latest_checkpoint(run_dir)} are kept: free "
+                                f"some space and run --resume {run_dir} to export it") from None
         if is_main:
             record["final_model"] = True
             _record_finished(run_dir, record)
@@ -173,39 +183,46 @@ def finish_run(tr: Trainer, step: int, iterations: int, minutes: float) -> str |
     return text
 
 
-def finish_summary(tr: Trainer, iterations: int, minutes: float, model_dir: Path | None,
-                   updates: dict[str, int] | None = None) -> str:
-    """The run's closing screen (before -> after on the final evaluation; ``updates``: the
-    run's step counts), saved in the run directory with a before/after grid."""
+def finish_summary(tr: Trainer, step: int, iterations: int, minutes: float,
+                   exports: dict[str, Path], updates: dict[str, int] | None = None) -> str:
+    """The run's closing screen (before -> after on the final evaluation; ``exports``: where
+    the model is written; ``updates``: the run's step counts), saved in the run directory with
+    a before/after grid, and sent to the logging backends."""
     base = tr.base_evals.get(tr.cfg.eval.final_images)
     comparisons = [] if base is None else [
         Comparison.of(name, base, res) for name, res in tr.final_evals.items()]
     text = summary_text(run_dir=tr.run_dir, reward=tr.cfg.reward.name, comparisons=comparisons,
                         iterations=iterations, minutes=minutes,
-                        hybrid_steps=tr.cfg.eval.hybrid_steps, model_dir=model_dir,
-                        updates=updates)
+                        hybrid_steps=tr.cfg.eval.hybrid_steps, model_dir=exports.get("merged"),
+                        exports=exports, updates=updates)
     save_summary(tr.run_dir, text, comparisons)
     if base is not None and "eval" in tr.final_evals:
-        before_after_grid(base, tr.final_evals["eval"], tr.run_dir / "images" / "before_after.png")
+        images, captions = before_after_pairs(base, tr.final_evals["eval"])
+        tr.logger.image_grid(step, "before_after", images, captions,
+                             filename="before_after.png")
+    tr.logger.summary(text, summary_numbers(comparisons))
     return text
 
 
-def export_final(tr: Trainer) -> Path:
-    """final_model/: a diffusers directory (EMA weights if enabled, LoRA merged), the
-    transformer in bf16 where the frozen weights are bf16 (CUDA by default), else fp32. Every
-    rank calls this: a sharded transformer is gathered onto rank 0's CPU, which writes."""
-    if not tr.policy.has_text_encoders and tr.info.is_main:  # freed after caching: rank 0
-        tr.policy.reload_text_encoders("cpu")  # writes the pipeline, it alone needs them
+def export_final(tr: Trainer) -> dict[str, Path]:
+    """The trained model in the run's export formats (`run.export`, `chunk_grpo.export`):
+    final_model/ (a diffusers directory, LoRA merged), final_lora/, final_transformer/; EMA
+    weights if enabled; in bf16 where the frozen weights are bf16 (CUDA by default), else fp32.
+    Every rank calls this: a sharded transformer is gathered onto rank 0's CPU, which writes.
+    Returns {format: directory} (on rank 0)."""
+    targets = export_targets(tr.run_dir, tr.cfg.run.export, tr.cfg.model.lora_rank > 0)
+    if ("merged" in targets and not tr.policy.has_text_encoders  # freed after caching: rank 0
+            and tr.info.is_main):  # writes the pipeline, it alone needs them
+        tr.policy.reload_text_encoders("cpu")
     if tr.ema is not None:
         tr.ema.swap()
     dtype = resolve_weights_dtype(tr.cfg.model.weights_dtype, tr.info.device)
-    out = tr.run_dir / "final_model"
     try:
         if tr.info.world_size > 1 or is_sharded(tr.module):
-            return export_full_model(tr.policy.pipeline, tr.module, out,
+            return export_full_model(tr.policy.pipeline, tr.module, targets,
                                      defaults=tr.policy.defaults, dtype=dtype)
-        return export_pipeline(tr.policy.pipeline, tr.policy.transformer, out,
-                               defaults=tr.policy.defaults, dtype=dtype)
+        return write_exports(tr.policy.pipeline, tr.policy.transformer, targets,
+                             defaults=tr.policy.defaults, dtype=dtype)
     finally:
         if tr.ema is not None:
             tr.ema.swap()

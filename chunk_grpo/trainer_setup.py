@@ -356,7 +356,9 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, info: D.DistInfo, *,
                    train_prompts=prompt_sets.train.prompts,
                    eval_prompts=prompt_sets.eval.prompts, layout=layout,
                    chunk_weights=chunk_weights,
-                   logger=MetricsLogger(run_dir, enabled=info.is_main),
+                   logger=MetricsLogger(run_dir, enabled=info.is_main,
+                                        report_to=cfg.run.report_to, name=cfg.run.name,
+                                        project=cfg.run.wandb_project, config=cfg.to_dict()),
                    base_policy=setup.base,
                    fidelity_fn=fidelity)
 

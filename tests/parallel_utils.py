@@ -62,12 +62,16 @@ def step_batch(step: int, sizes: dict = TINY) -> dict:
     return batch
 
 
-def loss_of(call, batch: dict, rows: slice) -> torch.Tensor:
+def output_of(call, batch: dict, rows: slice) -> torch.Tensor:
+    """The transformer's output for rows ``rows`` of ``batch``."""
     ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(4.0), torch.arange(4.0),
                                      indexing="ij"), -1).reshape(TOKENS, 3)
     inputs = {k: v[rows] for k, v in batch.items() if k != "target"}
-    out = call(**inputs, img_ids=ids, txt_ids=torch.zeros(TEXT_TOKENS, 3), return_dict=False)[0]
-    return (out.float() - batch["target"][rows]).pow(2).mean()
+    return call(**inputs, img_ids=ids, txt_ids=torch.zeros(TEXT_TOKENS, 3), return_dict=False)[0]
+
+
+def loss_of(call, batch: dict, rows: slice) -> torch.Tensor:
+    return (output_of(call, batch, rows).float() - batch["target"][rows]).pow(2).mean()
 
 
 def make_optimizer(params: list) -> torch.optim.Optimizer:

@@ -10,8 +10,15 @@ import shutil
 
 import pytest
 import torch
-from diffusers import FluxTransformer2DModel
-from parallel_utils import build_transformer, full_trainable_state, make_optimizer, train
+from diffusers import FluxPipeline, FluxTransformer2DModel
+from parallel_utils import (
+    build_transformer,
+    full_trainable_state,
+    make_optimizer,
+    output_of,
+    step_batch,
+    train,
+)
 from safetensors import safe_open
 from spawn_ranks import run_ranks
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -23,6 +30,7 @@ from chunk_grpo.checkpoint import (
     find_resumable,
     latest_checkpoint,
 )
+from chunk_grpo.export import LORA_FILE, export_targets
 from chunk_grpo.models.tiny import build_tiny_flux_pipeline
 from chunk_grpo.parallelize import parallelize_transformer, trainable_parameters
 from chunk_grpo.policy_setup import merged_transformer
@@ -45,7 +53,7 @@ def full_optimizer_state(model, optimizer) -> dict:
 
 
 def save_on_two_ranks(rank, world, tmp, run_dir):
-    """2 optimizer steps under FSDP (LoRA), a sharded checkpoint, then the bf16 export."""
+    """2 optimizer steps under FSDP (LoRA), a sharded checkpoint, then the bf16 exports."""
     model = build_transformer(True)
     call = parallelize_transformer(model, mode="fsdp", device="cpu", param_dtype=None)
     params = trainable_parameters(call)
@@ -53,7 +61,9 @@ def save_on_two_ranks(rank, world, tmp, run_dir):
     train(call, params, rank, world, optimizer=optimizer, steps=range(2))
     save_sharded_checkpoint(run_dir, 2, call, optimizer, {"scheduler": {"last": 2}})
     pipeline = build_tiny_flux_pipeline(["red", "cat"], **TINY_SIZES)
-    export_full_model(pipeline, call, run_dir / "final_model")
+    written = export_full_model(pipeline, call, export_targets(run_dir, ["auto", "transformer"],
+                                                               lora=True))
+    assert list(written) == (["merged", "lora", "transformer"] if rank == 0 else [])
     return full_trainable_state(call), full_optimizer_state(call, optimizer)
 
 
@@ -154,6 +164,34 @@ def test_export_is_bf16_diffusers_with_the_trained_weights(saved):
     for name, value in expected.items():
         assert torch.equal(state[name], value.to(torch.bfloat16)), name
     assert (run_dir / "final_model" / "model_index.json").is_file()
+
+
+@pytest.mark.slow
+def test_two_rank_lora_export_loads_in_diffusers(saved):
+    run_dir, states = saved
+    trained = states[0][0]  # the adapters, "transformer_blocks.0.attn.to_q.lora_A.default.weight"
+    with safe_open(run_dir / "final_lora" / LORA_FILE, "pt") as f:
+        lora = {k: f.get_tensor(k) for k in f.keys()}
+    expected = {"transformer." + k.replace(".default.", "."): v.to(torch.bfloat16)
+                for k, v in trained.items()}
+    assert lora.keys() == expected.keys()
+    assert all(torch.equal(lora[k], v) for k, v in expected.items())
+    # diffusers' loader on the base transformer computes what base + trained adapters compute
+    pipeline = FluxPipeline.from_pretrained(run_dir / "final_model")
+    pipeline.transformer = build_transformer(False)
+    pipeline.load_lora_weights(run_dir / "final_lora")
+    reference = build_transformer(True)
+    reference.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in trained.items()},
+                              strict=False)
+    batch = step_batch(5)
+    with torch.no_grad():
+        torch.testing.assert_close(output_of(pipeline.transformer, batch, slice(0, 4)),
+                                   output_of(reference, batch, slice(0, 4)),
+                                   rtol=1e-5, atol=1e-6)
+    # the transformer alone is the merged pipeline's transformer, byte for byte
+    for name in ("config.json", "diffusion_pytorch_model.safetensors"):
+        assert ((run_dir / "final_transformer" / name).read_bytes()
+                == (run_dir / "final_model" / "transformer" / name).read_bytes())
 
 
 @pytest.mark.slow

@@ -260,7 +260,8 @@ OLD_FLAT_AS_NESTED = {
     "eval": dict(every=5, images=8, final_images=16, hybrid_steps=2),
     "run": dict(output_dir="runs/old", seed=7, device="cpu", max_steps=9, max_minutes=0.0,
                 log_every=2, image_grid_every=0, checkpoint_every=3, keep_checkpoints=1,
-                max_bad_steps=2, progress=False),
+                max_bad_steps=2, progress=False, export=["auto"],
+                report_to=["tensorboard", "jsonl"], name="", wandb_project="chunk-grpo"),
 }
 
 
@@ -274,8 +275,9 @@ def test_an_old_flat_config_loads_into_the_sections(tmp_path):
     assert sorted(FLAT_ALIASES) == sorted(yaml.safe_load(OLD_FLAT_CONFIG))
     # one dotted path per alias; the settings added since have none
     assert len(set(FLAT_ALIASES.values())) == len(FLAT_ALIASES)
-    assert sorted(set(PATHS) - set(FLAT_ALIASES.values())) == ["model.tf32",
-                                                               "parallel.timeout_minutes"]
+    assert sorted(set(PATHS) - set(FLAT_ALIASES.values())) == [
+        "model.tf32", "parallel.timeout_minutes", "run.export", "run.name", "run.report_to",
+        "run.wandb_project"]
     nested = tmp_path / "nested.yaml"
     nested.write_text(yaml.safe_dump(OLD_FLAT_AS_NESTED))
     assert build_config(nested) == cfg
