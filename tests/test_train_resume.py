@@ -13,13 +13,10 @@ from chunk_grpo.metrics import read_metrics
 from chunk_grpo.train import run
 
 
-def test_resume_matches_an_uninterrupted_run(tmp_path):
+def _straight_and_resumed(tmp_path, **settings) -> None:
+    """An uninterrupted 4-step run and one killed after step 3 (checkpoint at 2) then resumed
+    give the same metrics (without times), weights, EMA and schedule, bit for bit."""
     model = tiny_model_dir(tmp_path)
-    # Several optimizer steps per iteration, warm-up + cosine LR, EMA, a random half of the
-    # chunks: every piece of state a resume must restore.
-    settings = dict(max_steps=4, checkpoint_every=2, eval_every=2, grad_accum=2,
-                    chunk_fraction=0.5, chunks="1,1,2", warmup_steps=2, lr_schedule="cosine",
-                    ema_decay=0.5, lr=3e-3)
     straight = run(tiny_config(model, tmp_path / "a", **settings))
 
     def kill_at_3(step, metrics):
@@ -44,6 +41,26 @@ def test_resume_matches_an_uninterrupted_run(tmp_path):
     for name, value in state_a["ema"]["shadow"].items():
         assert torch.equal(value, state_b["ema"]["shadow"][name]), name
     assert state_a["scheduler"] == state_b["scheduler"]
+
+
+# Several optimizer steps per iteration, warm-up + cosine LR, EMA, a random half of the chunks:
+# every piece of state a resume must restore.
+RESUMED = dict(max_steps=4, checkpoint_every=2, eval_every=2, grad_accum=2, chunk_fraction=0.5,
+               warmup_steps=2, lr_schedule="cosine", ema_decay=0.5, lr=3e-3)
+
+
+def test_resume_matches_an_uninterrupted_run(tmp_path):
+    _straight_and_resumed(tmp_path, chunks="1,1,2", **RESUMED)
+
+
+def test_bf16_resume_matches_an_uninterrupted_run(tmp_path):
+    """bf16 autocast with LoRA and the auto chunk layout: the uninterrupted run measures the
+    temporal profile (a sampling pass of its own) before step 1, the resumed one reads the
+    layout from its checkpoint, so the first transformer call under autocast differs. What
+    either run caches at its first call (the unconditional prompt's embedding) must not depend
+    on which call that was (true CFG: every call also runs the unconditional prompt)."""
+    _straight_and_resumed(tmp_path, chunks="auto", mixed_precision="bf16", lora_rank=4,
+                          cfg_scale=3.0, **RESUMED)
 
 
 def test_checkpoints_are_atomic_and_pruned(tmp_path):
