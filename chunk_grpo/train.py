@@ -53,6 +53,7 @@ from chunk_grpo.config import (
     save_config,
 )
 from chunk_grpo.errors import NothingTrained, TrainingDiverged, interruption
+from chunk_grpo.memory_bounds import check_train_memory
 from chunk_grpo.memory_plan import check_plan
 from chunk_grpo.metrics import reward_captions, save_image_grid
 from chunk_grpo.parallelize import any_rank, clip_grad_norm, sync_gradients
@@ -306,6 +307,8 @@ def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = F
     info = D.init_for_config(cfg)
     if info.device.type == "cuda":  # the memory plan, before a weight is loaded
         check_plan(cfg, info.world_size, torch.cuda.get_device_properties(info.device).total_memory)
+    else:  # the plan's arithmetic against the host's memory (milliseconds)
+        check_train_memory(cfg, info.world_size)
     with PhaseMemory(info.device).activate() as memory:  # each phase's peak, for phases.json
         return _run(cfg, info, prompt_sets, memory, run_dir, resume, on_step_end,
                     trust_checkpoint)
