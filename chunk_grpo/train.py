@@ -56,7 +56,7 @@ from chunk_grpo.errors import NothingTrained, TrainingDiverged, interruption
 from chunk_grpo.memory_bounds import check_train_memory
 from chunk_grpo.memory_plan import check_plan
 from chunk_grpo.metrics import reward_captions, save_image_grid
-from chunk_grpo.parallelize import any_rank, clip_grad_norm, sync_gradients
+from chunk_grpo.parallelize import any_rank, check_parallelism, clip_grad_norm, sync_gradients
 from chunk_grpo.phase_memory import PhaseMemory, active_phase, current
 from chunk_grpo.policy_update import TrainUnit, UpdateRecord, accumulate_gradients, plan_units
 from chunk_grpo.precision import resolve_mixed_precision
@@ -305,6 +305,7 @@ def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = F
     prompt_sets = read_prompt_sets(cfg)
     check_reward_name(cfg)
     info = D.init_for_config(cfg)
+    check_parallelism(cfg.parallel.mode, info.world_size, cfg.parallel.cpu_offload)
     if info.device.type == "cuda":  # the memory plan, before a weight is loaded
         check_plan(cfg, info.world_size, torch.cuda.get_device_properties(info.device).total_memory)
     else:  # the plan's arithmetic against the host's memory (milliseconds)
