@@ -83,6 +83,7 @@ _ONE_LINE_ERRORS = (
     ("chunk_grpo.rewards.outputs", "RewardError"),
     ("chunk_grpo.checkpoint", "CheckpointError"),
     ("chunk_grpo.checkpoint", "DiskFullError"),
+    ("chunk_grpo.parallelize", "ParallelismError"),
     ("chunk_grpo.run_lock", "RunLockedError"),
     ("chunk_grpo.errors", "TrainingDiverged"),
     ("chunk_grpo.errors", "NothingTrained"),

@@ -332,16 +332,27 @@ def _is_section_mapping(key: str, value: Any) -> bool:
     return all(f"reward.{str(k).replace('-', '_')}" in _HINTS for k in value)
 
 
-def _canonical(data: Mapping[str, Any], where: str) -> dict[str, tuple[str, Any]]:
+def _canonical(data: Mapping[str, Any], where: str,
+               once: bool = False) -> dict[str, tuple[str, Any]]:
     """{dotted path: (the key as written, value)} of a flat, dotted or nested mapping; a later
-    key for the same path wins."""
+    key for the same path wins, or with ``once`` (a YAML file) is a ConfigError."""
     out: dict[str, tuple[str, Any]] = {}
+
+    forms: dict[str, str] = {}  # path -> how it was written, for the message
+
+    def put(path: str, written: str, value: Any, form: str) -> None:
+        if once and path in out:
+            raise ConfigError(f"{path} is given twice in {where} (as {forms[path]} and as "
+                              f"{form}); give it once")
+        out[path], forms[path] = (written, value), form
+
     for key, value in data.items():
         key = str(key).replace("-", "_")
         if _is_section_mapping(key, value):
             for leaf, leaf_value in value.items():
                 written = f"{key}.{str(leaf).replace('-', '_')}"
-                out[_resolve_key_in_section(written, where)] = (written, leaf_value)
+                put(_resolve_key_in_section(written, where), written, leaf_value,
+                    f"{leaf!r} under {key!r}")
         elif key in SECTIONS and key not in FLAT_ALIASES:
             if value is None:  # `optim:` with nothing under it
                 continue
@@ -349,7 +360,7 @@ def _canonical(data: Mapping[str, Any], where: str) -> dict[str, tuple[str, Any]
                               f"`{key}: {{{_first_leaf(key)}: ...}}` or a dotted key "
                               f"`{key}.{_first_leaf(key)}`, not {value!r}")
         else:
-            out[resolve_key(key, where)] = (key, value)
+            put(resolve_key(key, where), key, value, repr(key))
     return out
 
 
@@ -431,6 +442,25 @@ def flat_keys(data: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- YAML
 
+class _DuplicateKey(Exception):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load that refuses a key given twice in one mapping (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                mark = key_node.start_mark
+                raise _DuplicateKey(f"line {mark.line + 1}, column {mark.column + 1} gives the "
+                                    f"key {key!r} a second time in one mapping; give it once")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """A YAML mapping; a missing, undecodable or malformed file is a ConfigError naming the file
     (and the line)."""
@@ -438,7 +468,9 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
+    except _DuplicateKey as err:
+        raise ConfigError(f"config file {str(path)!r}: {err}") from None
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"cannot read config file {str(path)!r} as UTF-8 text: {err}") from None
     except yaml.YAMLError as err:
@@ -458,7 +490,8 @@ def build_config(yaml_path: str | Path | None = None,
     cfg, names = TrainConfig(), {}
     for where, data in ((str(yaml_path), load_yaml(yaml_path) if yaml_path else {}),
                         ("the overrides", overrides or {})):
-        for path, (name, value) in _canonical(data, where).items():
+        for path, (name, value) in _canonical(data, where, once=bool(yaml_path)
+                                              and where == str(yaml_path)).items():
             section, leaf = path.split(".")
             setattr(getattr(cfg, section), leaf, coerce(path, value, name))
             names[path] = name

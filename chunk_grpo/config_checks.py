@@ -74,6 +74,14 @@ def check_config(cfg: TrainConfig, name: Callable[[str], str]) -> None:
     if s.steps < 2:
         raise ConfigError(f"{name('sampling.steps')} must be >= 2 (the last step is not "
                           f"trained), got {s.steps}")
+    if s.sde_window > s.steps:
+        raise ConfigError(f"{name('sampling.sde_window')} {s.sde_window} is beyond the {s.steps} "
+                          f"sampling steps ({name('sampling.steps')}); give at most {s.steps - 1} "
+                          "(the last step is never trained), or 0 for every step")
+    size, spec = cfg.chunks.size, cfg.chunks.spec
+    if size is not None and spec not in ("auto", "step"):
+        raise ConfigError(f"{name('chunks.spec')} {spec!r} and {name('chunks.size')} {size} both "
+                          "set the chunk layout; give one of them")
     if s.group_size < 2 and lo.adv_norm != "none":
         raise ConfigError(f"{name('sampling.group_size')} must be >= 2 for group advantages; "
                           f"set {name('loss.adv_norm')}: none for single samples")

@@ -22,6 +22,7 @@ from chunk_grpo.cli import run_cli
 from chunk_grpo.cli_args import check_writable_dir, evaluate_parser
 from chunk_grpo.config import ConfigError
 from chunk_grpo.evaluation import EvalResult, evaluate_policy
+from chunk_grpo.memory_bounds import check_evaluate_memory
 from chunk_grpo.metrics import reward_captions, save_image_grid
 from chunk_grpo.models import FluxPolicy
 from chunk_grpo.models.sampling_defaults import apply_sampling_size
@@ -64,6 +65,10 @@ def main(argv: list[str] | None = None) -> EvalResult:
     if args.compare is not None and not (Path(args.compare) / "samples.jsonl").is_file():
         raise ConfigError(f"--compare {args.compare}: no samples.jsonl there; give the --out "
                           "directory of an earlier evaluation")
+    if args.device == "cpu":  # before the weights: an evaluation that cannot fit is refused
+        check_evaluate_memory(args.model, height=args.height, width=args.width,
+                              images=len(prompts) * args.images_per_prompt,
+                              batch_size=args.batch_size, hybrid_base=args.hybrid_base is not None)
     policy = FluxPolicy.from_pretrained(args.model, device=args.device)
     try:
         apply_sampling_size(policy, args.height, args.width, source=args.model,

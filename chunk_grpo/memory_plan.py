@@ -55,6 +55,8 @@ from chunk_grpo.plan_activations import (
     CallMemory,
     CallPrecision,
     CallShape,
+    bound_flux_call,
+    bound_vae_decode,
     estimate_flux_call,
     estimate_vae_decode,
 )
@@ -125,6 +127,8 @@ class PlanSettings:
     reward_batch: int = 0  # images per reward call (0: a rollout batch)
     eval_rows: int = 0  # evaluation images per rank
     base_quantization: str = "none"  # LoRA's frozen base: none | nf4 | int8 (bitsandbytes)
+    # "measured" (FakeTensor, seconds) | "bound" (analytic lower bounds, for start-up checks)
+    activations: str = "measured"
 
     @property
     def shard(self) -> int:
@@ -453,6 +457,16 @@ def _fsdp_backward(sizes: ModelSizes, cbytes: int, rbytes: int, shard: int,
         if step.unsharded + step.gradient > best.unsharded + best.gradient:
             best = step
     return best
+def _call_bound(model: str, shape: CallShape, train: bool, gradient_checkpointing: bool,
+                adapters: Adapters, precision: CallPrecision) -> CallMemory:
+    compute = 2 if precision.autocast is not None else precision.trainable.itemsize
+    return bound_flux_call(model_sizes(model).configs.transformer, shape, train=train,
+                           gradient_checkpointing=gradient_checkpointing, compute_bytes=compute)
+
+
+def _decode_bound(model: str, batch: int, height: int, width: int, dtype: str) -> CallMemory:
+    return bound_vae_decode(model_sizes(model).configs.vae, batch, height, width,
+                            _DTYPE_BYTES[dtype])
 
 
 def image_tokens(s: PlanSettings, configs: ModelConfigs) -> int:
@@ -570,17 +584,19 @@ def _phases(s: PlanSettings, sizes: ModelSizes) -> tuple[list[PlanRow], list[Pha
         unsharded = unsharded_backward = 0.0
     adapters = Adapters(s.lora_rank, s.lora_targets) if lora else Adapters()
     precision = _call_precision(s)
-    train_call = _call_memory(s.model, CallShape(s.train_rows, tokens, s.text_tokens), True,
-                              s.gradient_checkpointing, adapters, precision)
+    call_memory, decode_memory = (_call_memory, _decode_memory) if s.activations == "measured" \
+        else (_call_bound, _decode_bound)
+    train_call = call_memory(s.model, CallShape(s.train_rows, tokens, s.text_tokens), True,
+                             s.gradient_checkpointing, adapters, precision)
     train_acts = part("activations (training call)", train_call.peak,
                       f"{s.train_rows} rows = {s.max_chunk} trained steps x micro-batch "
                       f"{s.micro_batch_size}, {tokens}+{s.text_tokens} tokens, "
                       f"{'with' if s.gradient_checkpointing else 'without'} checkpointing")
 
     def sampling_call(batch: int) -> float:
-        call = _call_memory(s.model, CallShape(batch, tokens, s.text_tokens), False, False,
-                            adapters, precision)
-        decode = _decode_memory(s.model, batch, s.height, s.width, s.weights_dtype)
+        call = call_memory(s.model, CallShape(batch, tokens, s.text_tokens), False, False,
+                           adapters, precision)
+        decode = decode_memory(s.model, batch, s.height, s.width, s.weights_dtype)
         return max(call.peak, decode.peak)
 
     roll_acts = part("activations (sampling call, VAE decode)", sampling_call(
@@ -742,8 +758,10 @@ def _assumptions(s: PlanSettings, sizes: ModelSizes) -> list[str]:
         + (" (bf16 autocast, simulated with CPU autocast)" if s.compute_dtype == "bf16" else "")
         + f"; frozen weights, base, encoders and VAE in {s.weights_dtype}"
         + (f"; FSDP reduces gradients in {s.reduce_dtype}" if s.parallelism == "fsdp" else ""),
-        f"activations measured with FakeTensor at {s.height}x{s.width} ({tokens} image tokens, "
-        f"{s.text_tokens} text tokens) and extrapolated from 1-2 blocks of each kind",
+        (f"activations measured with FakeTensor at {s.height}x{s.width} ({tokens} image tokens, "
+         f"{s.text_tokens} text tokens) and extrapolated from 1-2 blocks of each kind"
+         if s.activations == "measured" else
+         f"activations: analytic lower bounds at {s.height}x{s.width} ({tokens} image tokens)"),
         "the reward's own activations are not measured (no grad, one reward batch)",
         "host: checkpoint files in the page cache once per node (reclaimable), each rank's CPU "
         "parts times the ranks of a node",

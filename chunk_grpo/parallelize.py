@@ -57,7 +57,8 @@ def flux_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
     return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
 
 
-def _check_mode(mode: str, world: int, cpu_offload: bool) -> None:
+def check_parallelism(mode: str, world: int, cpu_offload: bool) -> None:
+    """ParallelismError (one line) for a mode this job cannot run: checked before any weight."""
     if mode not in PARALLELISMS:
         raise ParallelismError(f"parallelism must be one of {', '.join(PARALLELISMS)}, "
                                f"got {mode!r}")
@@ -92,7 +93,7 @@ def parallelize_transformer(transformer: torch.nn.Module, *, mode: str,
     """
     device = torch.device(device)
     world = world_size()
-    _check_mode(mode, world, cpu_offload)
+    check_parallelism(mode, world, cpu_offload)
     if cpu_offload and device.type != "cuda":
         raise ParallelismError("cpu_offload moves sharded weights off the GPU; on the CPU they "
                                "are there already: set cpu_offload: false")

@@ -306,3 +306,32 @@ def estimate_vae_decode(config: dict, batch: int, height: int, width: int,
                 return vae.decode(latents, return_dict=False)[0].float().mean()
 
         return measure_call(run, vae.parameters(), backward=False)
+
+
+# ----------------------------------------------------------------------------- analytic bounds
+# What a start-up check can afford (microseconds, where the FakeTensor runs above take seconds):
+# bytes every call must hold at once, whatever the kernels. They lie below the measurement
+# (0.07-0.36 of it on the tiny model and FLUX.1-dev shapes, fp32 and bf16, with and without
+# checkpointing), so a configuration they refuse cannot fit.
+
+def bound_flux_call(config: dict, shape: CallShape, *, train: bool,
+                    gradient_checkpointing: bool = False, compute_bytes: int = 4) -> CallMemory:
+    """A lower bound on a FLUX call's activations: without grad, one block's MLP input and its
+    4x-wide hidden layer; training, that hidden layer saved by every block (with checkpointing:
+    every block's input, plus one block recomputed)."""
+    width = config["num_attention_heads"] * config["attention_head_dim"]
+    blocks = config["num_layers"] + config["num_single_layers"]
+    one = shape.rows * (shape.image_tokens + shape.text_tokens) * width * compute_bytes
+    if not train:
+        return CallMemory(saved=0, forward_peak=5 * one)
+    saved = blocks * one if gradient_checkpointing else 4 * blocks * one
+    return CallMemory(saved=saved, forward_peak=saved + (5 * one if gradient_checkpointing
+                                                         else 0))
+
+
+def bound_vae_decode(config: dict, batch: int, height: int, width: int,
+                     dtype_bytes: int) -> CallMemory:
+    """A lower bound on a VAE decode: the input and output of one full-resolution convolution
+    of its first block's width."""
+    peak = 2 * batch * config["block_out_channels"][0] * height * width * dtype_bytes
+    return CallMemory(saved=0, forward_peak=peak)

@@ -54,9 +54,10 @@ from chunk_grpo.config import (
 )
 from chunk_grpo.errors import NothingTrained, TrainingDiverged, interruption
 from chunk_grpo.export import export_targets
+from chunk_grpo.memory_bounds import check_train_memory
 from chunk_grpo.memory_plan import check_plan
 from chunk_grpo.metrics import reward_captions
-from chunk_grpo.parallelize import any_rank, clip_grad_norm, sync_gradients
+from chunk_grpo.parallelize import any_rank, check_parallelism, clip_grad_norm, sync_gradients
 from chunk_grpo.phase_memory import PhaseMemory, active_phase, current
 from chunk_grpo.policy_update import TrainUnit, UpdateRecord, accumulate_gradients, plan_units
 from chunk_grpo.precision import resolve_mixed_precision
@@ -305,8 +306,11 @@ def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = F
     prompt_sets = read_prompt_sets(cfg)
     check_reward_name(cfg)
     info = D.init_for_config(cfg)
+    check_parallelism(cfg.parallel.mode, info.world_size, cfg.parallel.cpu_offload)
     if info.device.type == "cuda":  # the memory plan, before a weight is loaded
         check_plan(cfg, info.world_size, torch.cuda.get_device_properties(info.device).total_memory)
+    else:  # the plan's arithmetic against the host's memory (milliseconds)
+        check_train_memory(cfg, info.world_size)
     with PhaseMemory(info.device).activate() as memory:  # each phase's peak, for phases.json
         return _run(cfg, info, prompt_sets, memory, run_dir, resume, on_step_end,
                     trust_checkpoint)

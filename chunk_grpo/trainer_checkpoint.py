@@ -100,10 +100,14 @@ def find_run_checkpoint(run_dir: Path, *, trust: bool = False) -> Resume:
                   state=state)
 
 
-# What the checkpoint's tensors and chunk layout were built from: these cannot change on resume.
+# Every config key is in exactly one of the four groups below (tests/test_train_resume.py
+# checks it, so a new key must be classified).
+# What the checkpoint's tensors, chunk layout (and its profile's weights) and random streams were
+# built from: these cannot change on resume.
 FIXED_ON_RESUME = ("model.name", "model.lora_rank", "model.lora_alpha", "model.lora_targets",
                    "sampling.algorithm", "sampling.steps", "sampling.sde_window",
-                   "chunks.spec", "chunks.size", "optim.name", "run.output_dir")
+                   "chunks.spec", "chunks.size", "chunks.weighted", "chunks.profile_prompts",
+                   "chunks.max_size", "optim.name", "run.output_dir", "run.seed")
 
 
 def check_fixed_keys(cfg: TrainConfig, resume: Resume) -> None:
@@ -119,10 +123,30 @@ def check_fixed_keys(cfg: TrainConfig, resume: Resume) -> None:
 
 
 # Set per rank by `config_for_world`, which prints its own line when they change.
-_PER_RANK = ("sampling.prompts_per_step", "optim.grad_accum")
-# What the restored optimizer and schedule hold that the config sets.
-_OPTIMIZER_KEYS = ("optim.lr", "optim.weight_decay", "optim.beta1", "optim.beta2", "optim.eps",
-                   "optim.warmup_steps", "optim.schedule", "optim.ema_decay", "run.max_steps")
+PER_RANK_ON_RESUME = ("sampling.prompts_per_step", "optim.grad_accum")
+# What the restored optimizer, schedule and EMA hold that the config sets: written into them
+# (the schedule's shape and length come from the config the trainer is rebuilt with).
+OPTIMIZER_ON_RESUME = ("optim.lr", "optim.weight_decay", "optim.beta1", "optim.beta2",
+                       "optim.eps", "optim.warmup_steps", "optim.schedule", "optim.ema_decay",
+                       "run.max_steps")
+# Read from the config the resumed trainer is built with, at start-up or every iteration (the
+# model is loaded, the reward built and the prompts read anew): a new value simply applies.
+APPLIED_ON_RESUME = (
+    "model.height", "model.width", "model.mixed_precision", "model.weights_dtype",
+    "model.attention_backend", "model.gradient_checkpointing", "model.compile_blocks",
+    "model.guidance", "model.text_encoders", "model.prompt_cache_dir", "model.tf32",
+    "reward.name", "reward.mix_advantage", "reward.device", "reward.batch_size",
+    "reward.overlap", "reward.timeout", "data.train_prompts", "data.eval_prompts",
+    "sampling.g2rpo_granularities", "sampling.shift", "sampling.dynamic_shift", "sampling.sde",
+    "sampling.eta", "sampling.cfg_scale", "sampling.group_size", "sampling.shared_noise",
+    "sampling.antithetic_noise", "sampling.decode", "sampling.batch_size", "chunks.fraction",
+    "loss.adv_norm", "loss.adv_clip_max", "loss.adv_eps", "loss.clip_low", "loss.clip_high",
+    "loss.kl_coef", "loss.kl_ref", "optim.max_grad_norm", "optim.micro_batch_size",
+    "optim.ppo_epochs", "parallel.mode", "parallel.cpu_offload", "parallel.reduce_dtype",
+    "parallel.timeout_minutes", "eval.every", "eval.images", "eval.final_images",
+    "eval.hybrid_steps", "run.device", "run.max_minutes", "run.log_every",
+    "run.image_grid_every", "run.checkpoint_every", "run.keep_checkpoints", "run.max_bad_steps",
+    "run.progress")
 
 
 def apply_resume_changes(tr: Trainer, resume: Resume) -> str | None:
@@ -131,11 +155,11 @@ def apply_resume_changes(tr: Trainer, resume: Resume) -> str | None:
     decay; everything else is read from the config as the run goes), and return the line that
     lists every changed key (None: nothing changed)."""
     saved, cfg = build_config(None, resume.state["config"]), tr.cfg
-    changed = [path for path in PATHS if path not in _PER_RANK and path not in FIXED_ON_RESUME
+    changed = [path for path in PATHS if path in (*OPTIMIZER_ON_RESUME, *APPLIED_ON_RESUME)
                and saved.get(path) != cfg.get(path)]
     if not changed:
         return None
-    if any(path in _OPTIMIZER_KEYS for path in changed):
+    if any(path in OPTIMIZER_ON_RESUME for path in changed):
         optim, scheduler = cfg.optim, tr.scheduler
         scheduler.base_lrs = [optim.lr] * len(tr.optimizer.param_groups)
         lrs = [optim.lr * factor(scheduler.last_epoch) for factor in scheduler.lr_lambdas]

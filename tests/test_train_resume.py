@@ -9,17 +9,15 @@ import torch
 from trainer_utils import Killed, tiny_config, tiny_model_dir, without_times
 
 from chunk_grpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from chunk_grpo.config import PATHS
 from chunk_grpo.metrics import read_metrics
 from chunk_grpo.train import run
 
 
-def test_resume_matches_an_uninterrupted_run(tmp_path):
+def _straight_and_resumed(tmp_path, **settings) -> None:
+    """An uninterrupted 4-step run and one killed after step 3 (checkpoint at 2) then resumed
+    give the same metrics (without times), weights, EMA and schedule, bit for bit."""
     model = tiny_model_dir(tmp_path)
-    # Several optimizer steps per iteration, warm-up + cosine LR, EMA, a random half of the
-    # chunks: every piece of state a resume must restore.
-    settings = dict(max_steps=4, checkpoint_every=2, eval_every=2, grad_accum=2,
-                    chunk_fraction=0.5, chunks="1,1,2", warmup_steps=2, lr_schedule="cosine",
-                    ema_decay=0.5, lr=3e-3)
     straight = run(tiny_config(model, tmp_path / "a", **settings))
 
     def kill_at_3(step, metrics):
@@ -44,6 +42,26 @@ def test_resume_matches_an_uninterrupted_run(tmp_path):
     for name, value in state_a["ema"]["shadow"].items():
         assert torch.equal(value, state_b["ema"]["shadow"][name]), name
     assert state_a["scheduler"] == state_b["scheduler"]
+
+
+# Several optimizer steps per iteration, warm-up + cosine LR, EMA, a random half of the chunks:
+# every piece of state a resume must restore.
+RESUMED = dict(max_steps=4, checkpoint_every=2, eval_every=2, grad_accum=2, chunk_fraction=0.5,
+               warmup_steps=2, lr_schedule="cosine", ema_decay=0.5, lr=3e-3)
+
+
+def test_resume_matches_an_uninterrupted_run(tmp_path):
+    _straight_and_resumed(tmp_path, chunks="1,1,2", **RESUMED)
+
+
+def test_bf16_resume_matches_an_uninterrupted_run(tmp_path):
+    """bf16 autocast with LoRA and the auto chunk layout: the uninterrupted run measures the
+    temporal profile (a sampling pass of its own) before step 1, the resumed one reads the
+    layout from its checkpoint, so the first transformer call under autocast differs. What
+    either run caches at its first call (the unconditional prompt's embedding) must not depend
+    on which call that was (true CFG: every call also runs the unconditional prompt)."""
+    _straight_and_resumed(tmp_path, chunks="auto", mixed_precision="bf16", lora_rank=4,
+                          cfg_scale=3.0, **RESUMED)
 
 
 def test_checkpoints_are_atomic_and_pruned(tmp_path):
@@ -200,3 +218,83 @@ def test_settings_changed_on_resume_are_applied_and_listed(tmp_path, capsys):
     assert read_metrics(out / "metrics.jsonl")[-1]["lr"] == 5e-4  # the optimizer's, not 1e-3
     group = load_checkpoint(out, restore_rng=False)["optimizer"]["param_groups"][0]
     assert (group["lr"], group["weight_decay"]) == (5e-4, 0.1)
+
+
+# ----------------------------------------------------------------------------- every key
+
+def _another_value(path: str, value):
+    """A value of ``path`` other than ``value`` (of the field's type; not necessarily valid)."""
+    from chunk_grpo.config import _HINTS
+    from chunk_grpo.config_checks import CHOICES
+
+    if path in CHOICES:
+        return next(choice for choice in CHOICES[path] if choice != value)
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 1
+    if isinstance(value, list):
+        return [*value, "to_q"]
+    if isinstance(value, str):
+        return value + "-other"
+    return 1.0 if "float" in str(_HINTS[path]) else 1  # None
+
+
+def test_every_config_key_is_classified_for_resume():
+    from chunk_grpo.trainer_checkpoint import (
+        APPLIED_ON_RESUME,
+        FIXED_ON_RESUME,
+        OPTIMIZER_ON_RESUME,
+        PER_RANK_ON_RESUME,
+    )
+
+    groups = [*FIXED_ON_RESUME, *PER_RANK_ON_RESUME, *OPTIMIZER_ON_RESUME, *APPLIED_ON_RESUME]
+    assert sorted(groups) == sorted(PATHS), "classify every key once in trainer_checkpoint.py"
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_each_key_changed_on_resume_is_refused_or_applied_and_listed(path):
+    """Every key given another value on resume: a fixed one is refused naming it, any other
+    (but the per-rank batch, which `config_for_world` reports) is listed in the one line, and
+    the optimizer's keys reach the restored optimizer."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from chunk_grpo.config import ConfigError, TrainConfig
+    from chunk_grpo.optim import build_lr_scheduler
+    from chunk_grpo.trainer_checkpoint import (
+        FIXED_ON_RESUME,
+        OPTIMIZER_ON_RESUME,
+        PER_RANK_ON_RESUME,
+        Resume,
+        apply_resume_changes,
+        check_fixed_keys,
+    )
+
+    saved = TrainConfig()
+    cfg = saved.with_changes({path: _another_value(path, saved.get(path))})
+    assert cfg.get(path) != saved.get(path)
+    resume = Resume(path=Path("run/checkpoints/step-00000001"), step=1, bad_streak=0,
+                    layout=(1,), chunk_weights=None, state={"config": saved.to_dict()})
+    if path in FIXED_ON_RESUME:
+        with pytest.raises(ConfigError, match=f"cannot change on resume \\({path} "):
+            check_fixed_keys(cfg, resume)
+        return
+    check_fixed_keys(cfg, resume)
+    weight = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.AdamW([weight], lr=saved.optim.lr)
+    scheduler = build_lr_scheduler(optimizer, warmup_steps=0, total_steps=10, kind="constant")
+    tr = SimpleNamespace(cfg=cfg, optimizer=optimizer, scheduler=scheduler, ema=None)
+    line = apply_resume_changes(tr, resume)
+    if path in PER_RANK_ON_RESUME:
+        assert line is None
+        return
+    assert line == (f"[chunk-grpo] resuming with changed settings: {path} "
+                    f"{saved.get(path)!r} -> {cfg.get(path)!r}")
+    if path in OPTIMIZER_ON_RESUME and path.startswith("optim.") and path != "optim.ema_decay":
+        group = optimizer.param_groups[0]
+        values = {"optim.lr": group["initial_lr"], "optim.weight_decay": group["weight_decay"],
+                  "optim.beta1": group["betas"][0], "optim.beta2": group["betas"][1],
+                  "optim.eps": group["eps"]}
+        if path in values:
+            assert values[path] == cfg.get(path)
