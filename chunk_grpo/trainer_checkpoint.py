@@ -105,9 +105,11 @@ def find_run_checkpoint(run_dir: Path, *, trust: bool = False) -> Resume:
 # What the checkpoint's tensors, chunk layout (and its profile's weights) and random streams were
 # built from: these cannot change on resume.
 FIXED_ON_RESUME = ("model.name", "model.lora_rank", "model.lora_alpha", "model.lora_targets",
-                   "sampling.algorithm", "sampling.steps", "sampling.sde_window",
+                   "model.base_quantization", "sampling.algorithm", "sampling.steps",
+                   "sampling.sde_window",
                    "chunks.spec", "chunks.size", "chunks.weighted", "chunks.profile_prompts",
-                   "chunks.max_size", "optim.name", "run.output_dir", "run.seed")
+                   "chunks.max_size", "optim.name", "run.output_dir", "run.seed",
+                   "run.wandb_project")
 
 
 def check_fixed_keys(cfg: TrainConfig, resume: Resume) -> None:
@@ -146,7 +148,7 @@ APPLIED_ON_RESUME = (
     "parallel.timeout_minutes", "eval.every", "eval.images", "eval.final_images",
     "eval.hybrid_steps", "run.device", "run.max_minutes", "run.log_every",
     "run.image_grid_every", "run.checkpoint_every", "run.keep_checkpoints", "run.max_bad_steps",
-    "run.progress")
+    "run.progress", "run.export", "run.report_to", "run.name")
 
 
 def apply_resume_changes(tr: Trainer, resume: Resume) -> str | None:
