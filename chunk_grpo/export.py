@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from chunk_grpo.policy_setup import export_pipeline, merged_transformer, uses_lora
+from chunk_grpo.quantize import quantization_of
 from chunk_grpo.specs import EXPORT_FORMATS, export_formats
 
 EXPORT_DIRS = {"merged": "final_model", "lora": "final_lora", "transformer": "final_transformer"}
@@ -49,7 +50,7 @@ def write_exports(pipeline, transformer: torch.nn.Module, targets: Mapping[str, 
         written["lora"] = save_lora(type(pipeline), transformer, targets["lora"], dtype=dtype)
     if "merged" in targets or "transformer" in targets:
         plain = merged_transformer(transformer, copy_weights).eval()
-        if dtype is not None:
+        if dtype is not None and quantization_of(transformer) == "none":  # else bf16 already
             plain = plain.to(dtype)
         if "merged" in targets:
             written["merged"] = export_pipeline(pipeline, plain, targets["merged"],

@@ -135,7 +135,11 @@ def load_trainable_state_dict(transformer: torch.nn.Module, state: dict[str, tor
 def merged_transformer(transformer: torch.nn.Module, copy_weights: bool = True
                        ) -> torch.nn.Module:
     """A plain copy of the transformer with any LoRA merged into its weights (without LoRA and
-    with ``copy_weights`` False: the transformer itself, for a caller that owns it)."""
+    with ``copy_weights`` False: the transformer itself, for a caller that owns it). A quantized
+    base (`chunk_grpo.quantize`) is dequantized layer by layer, the LoRA merged into it in fp32,
+    and returned in bf16 (FLUX.1-dev's own format; the 4-bit codes carry no more precision)."""
+    if quantization_of(transformer) != "none":
+        return dequantized_transformer(transformer, torch.bfloat16)
     if not copy_weights and not uses_lora(transformer):
         return transformer
     model = copy.deepcopy(transformer)
@@ -171,11 +175,8 @@ def export_pipeline(pipeline, transformer: torch.nn.Module, out_dir: str | Path,
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    if quantization_of(transformer) != "none":  # the base dequantized, LoRA merged, bf16
-        plain, dtype = dequantized_transformer(transformer, torch.bfloat16), None
-    else:
-        plain = merged_transformer(transformer, copy_weights).eval()
-    if dtype is not None:
+    plain = merged_transformer(transformer, copy_weights).eval()
+    if dtype is not None and quantization_of(transformer) == "none":
         plain = plain.to(dtype)
     original = pipeline.transformer
     pipeline.transformer = plain

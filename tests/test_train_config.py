@@ -239,8 +239,8 @@ OLD_FLAT_AS_NESTED = {
     "model": dict(name="some/dir", height=64, width=48, mixed_precision="bf16",
                   weights_dtype="bf16", attention_backend="native", gradient_checkpointing=True,
                   compile_blocks=True, lora_rank=4, lora_alpha=8.0, lora_targets=["to_q", "to_v"],
-                  guidance=3.5, text_encoders="cache", prompt_cache_dir="/tmp/embeds",
-                  tf32=True),
+                  base_quantization="none", guidance=3.5, text_encoders="cache",
+                  prompt_cache_dir="/tmp/embeds", tf32=True),
     "reward": dict(name="test_brightness=1.0,jpeg_compressibility=0.5",
                    mix_advantage="per_reward", device="cpu", batch_size=16, overlap=False,
                    timeout=0.0),
@@ -276,8 +276,8 @@ def test_an_old_flat_config_loads_into_the_sections(tmp_path):
     # one dotted path per alias; the settings added since have none
     assert len(set(FLAT_ALIASES.values())) == len(FLAT_ALIASES)
     assert sorted(set(PATHS) - set(FLAT_ALIASES.values())) == [
-        "model.tf32", "parallel.timeout_minutes", "run.export", "run.name", "run.report_to",
-        "run.wandb_project"]
+        "model.base_quantization", "model.tf32", "parallel.timeout_minutes", "run.export",
+        "run.name", "run.report_to", "run.wandb_project"]
     nested = tmp_path / "nested.yaml"
     nested.write_text(yaml.safe_dump(OLD_FLAT_AS_NESTED))
     assert build_config(nested) == cfg
