@@ -5,7 +5,7 @@
 Memory: full fine-tuning with AdamW and the hybrid base holds 18 bytes per parameter across the
 ranks (fp32 weights, gradients, two moments; the bf16 base) plus each rank's working set: about
 8.3 GB per rank for the 545M model on 2 ranks (the plan's train phase). The run refuses to start
-with less than 1.5 times that free.
+with less than ``--headroom`` (default 1.5) times that free.
 
 Runs ``python -m chunk_grpo.train`` under ``torchrun`` on ``--ranks`` gloo ranks (CPU) with the
 FLUX preset's own parallel settings (configs/flux_dev_hpsv3.yaml: FSDP2, bf16 mixed precision,
@@ -117,6 +117,8 @@ def main() -> None:
     parser.add_argument("--single-blocks", type=int, default=1, metavar="N",
                         help="single-stream blocks (default 1)")
     parser.add_argument("--keep", metavar="DIR", help="work in DIR and keep it (model, run)")
+    parser.add_argument("--headroom", type=float, default=1.5,
+                        help="free memory needed, as a multiple of the plan's peak (default 1.5)")
     args = parser.parse_args()
     if args.grad_accum < 4:
         parser.error("--grad-accum must be >= 4: the check is of accumulation")
@@ -131,7 +133,7 @@ def main() -> None:
         plan = plan_for_config(cfg, args.ranks, 24 * GB, device="cpu", gpus_per_node=args.ranks)
         print(format_plan(plan, parts=False), flush=True)
         per_process = {p.name: p.process_bytes for p in plan.phases}
-        needed = 1.5 * args.ranks * max(per_process.values())
+        needed = args.headroom * args.ranks * max(per_process.values())
         if _available_bytes() < needed:
             raise SystemExit(f"needs about {needed / GB:.1f} GB of free memory for {args.ranks} "
                              f"ranks, {_available_bytes() / GB:.1f} GB available; try later")

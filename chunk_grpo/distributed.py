@@ -115,6 +115,11 @@ def barrier(info: DistInfo) -> None:
         dist.barrier()
 
 
-def cleanup(info: DistInfo) -> None:
-    if info.world_size > 1 and dist.is_initialized():
+def cleanup(info: DistInfo | None = None) -> None:
+    """Leave the process group at the end of a command that joined it (``info``: that
+    command's; None: whatever group is initialised)."""
+    if (info is None or info.world_size > 1) and dist.is_initialized():
+        # every rank past its last collective before any closes its connections: a process
+        # that exits with its group still up can abort in gloo's background threads
+        dist.barrier()
         dist.destroy_process_group()

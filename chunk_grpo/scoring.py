@@ -36,7 +36,8 @@ class _DaemonWorker:
 
     def __init__(self, name: str):
         self.calls: queue.Queue = queue.Queue()
-        threading.Thread(target=self._loop, name=name, daemon=True).start()
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
 
     def submit(self, fn, *args) -> Future:
         future: Future = Future()
@@ -54,6 +55,8 @@ class _DaemonWorker:
             if item is not None:
                 item[0].cancel()
         self.calls.put(None)
+        # an idle thread ends at once; one stuck in a call is left behind (it is a daemon)
+        self.thread.join(timeout=1.0)
 
     def _loop(self) -> None:
         while (item := self.calls.get()) is not None:

@@ -557,12 +557,15 @@ def main(argv: list[str] | None = None) -> Path:
                               "restore it (its checkpoints were saved with it)")
         # The saved config (nested, or flat from an earlier version), then the flags.
         cfg = build_config(run_dir / "config.yaml", overrides)
-        return run(cfg, run_dir=run_dir, resume=True, trust_checkpoint=trust)
-    if trust:
-        raise ConfigError("--trust-checkpoint goes with --resume DIR (it lets a checkpoint "
-                          "without a manifest be resumed)")
-    # No --config: the dataclass defaults, which configs/default.yaml spells out.
-    return run(build_config(yaml_path, overrides))
+        out = run(cfg, run_dir=run_dir, resume=True, trust_checkpoint=trust)
+    else:
+        if trust:
+            raise ConfigError("--trust-checkpoint goes with --resume DIR (it lets a checkpoint "
+                              "without a manifest be resumed)")
+        # No --config: the dataclass defaults, which configs/default.yaml spells out.
+        out = run(build_config(yaml_path, overrides))
+    D.cleanup()  # the command's process group, if torchrun started one
+    return out
 
 
 if __name__ == "__main__":
