@@ -1,11 +1,13 @@
-"""Every CLIP-family reward against its authors' own code, on golden fixtures.
+"""Every CLIP-family reward and ImageReward against its authors' own code, on golden fixtures.
 
 tests/fixtures/parity/ is written by tools/make_parity_fixtures.py in a side environment with
-the authors' packages (hpsv2 1.2.0, OpenAI's clip, transformers 4.45.2): tiny random models in
-the authors' classes and layouts, 8-bit images (square, wide, tall and 224x224), prompts that
-need cleaning or truncation, and the scores and token ids the authors' code gives. Here the same
-files go through the project's loaders. The tokenizers use the real CLIP BPE vocabulary
-(bpe_simple_vocab_16e6.txt.gz, as OpenAI's clip and open_clip ship it).
+the authors' packages (hpsv2 1.2.0, OpenAI's clip, image-reward 1.5, transformers 4.45.2): tiny
+random models in the authors' classes and layouts, 8-bit images (square, wide, tall and
+224x224), prompts that need cleaning or truncation, and the scores and token ids the authors'
+code gives. Here the same files go through the project's loaders. The CLIP tokenizers use the
+real CLIP BPE vocabulary (bpe_simple_vocab_16e6.txt.gz, as OpenAI's clip and open_clip ship
+it); ImageReward's BERT tokenizer uses a synthetic WordPiece vocabulary in place of
+bert-base-uncased's (it cannot be fetched).
 """
 
 import gzip
@@ -131,3 +133,24 @@ def test_token_ids_are_the_authors(processor_dir, reward, clean):
         raw = tokenizer(PROMPTS[1:3], truncation=True, max_length=77)["input_ids"]
         assert all(r != _ids_until_end(w, end)
                    for r, w in zip(raw, GOLDEN[reward]["input_ids"][1:3], strict=True))
+
+
+def test_imagereward_matches_imagereward_score():
+    """ImageReward.load + ImageReward.score (image-reward 1.5) on a tiny BLIP saved as
+    ImageReward.pt + med_config.json. bert-base-uncased's vocabulary cannot be fetched: a
+    synthetic WordPiece vocab.txt (BERT's special tokens, characters, ##-pieces and some words)
+    stands in, run through the authors' BertTokenizer and this project's tokenizer alike."""
+    reward = get_reward("imagereward", model=FIXTURES / "imagereward",
+                        tokenizer=FIXTURES / "imagereward" / "tokenizer", vision_heads=2)
+    _check("imagereward", _score_grid(reward), atol=2e-6)
+
+
+def test_imagereward_token_ids_are_the_authors():
+    """BERT's cleaning (lower case, accents stripped, punctuation split, `&amp;` kept as text)
+    and truncation at 35 tokens, padded to 35, as the authors' tokenizer call gives them."""
+    reward = get_reward("imagereward", model=FIXTURES / "imagereward",
+                        tokenizer=FIXTURES / "imagereward" / "tokenizer", vision_heads=2)
+    ids = reward.tokenizer(PROMPTS, padding="max_length", truncation=True,
+                           max_length=reward.max_length)["input_ids"]
+    assert ids == GOLDEN["imagereward"]["input_ids"]
+    assert reward.tokenizer.unk_token_id in ids[2]  # the ligature in "\ufb01eld": not in the vocab

@@ -19,11 +19,15 @@ function is taken from each (by name, with `ast`) and run. Every random draw is 
 `generate` again writes byte-identical files.
 
 Side environment (`venv`): torch 2.13.0 (CPU), torchvision 0.28.0, transformers 4.45.2 (hpsv3's
-pin), hpsv2 1.2.0, openai-clip 1.0.1 (OpenAI's `clip` package), diffusers (the scheduler Flow-GRPO's
-step takes). Two repairs, both outside the authors' code: hpsv2 1.2.0's wheel lacks its BPE file
+pin), hpsv2 1.2.0, openai-clip 1.0.1 (OpenAI's `clip` package), image-reward 1.5 (with timm
+0.6.13 and fairscale), diffusers (the scheduler Flow-GRPO's step takes). Two repairs, both
+outside the authors' code: hpsv2 1.2.0's wheel lacks its BPE file
 (bpe_simple_vocab_16e6.txt.gz), which is copied in from `clip` (the same file); and PyPI's
 torchvision is built against CUDA torch, so its C ops cannot load beside the CPU torch: the two
 operator names its import registers fakes for are declared first (no torchvision op is used).
+ImageReward: its package __init__ (the ReFL training script) is skipped, its model modules are
+imported as they are; bert-base-uncased's vocabulary cannot be fetched, so a synthetic WordPiece
+vocab.txt stands in for it (BERT_WORDS), served to the authors' tokenizer from an offline hub cache.
 """
 
 from __future__ import annotations
@@ -44,8 +48,11 @@ SIDE_PACKAGES = [
     "torch==2.13.0", "torchvision==0.28.0", "transformers==4.45.2", "diffusers==0.35.2",
     "ftfy==6.3.1", "regex", "einops", "timm==0.6.13", "huggingface-hub<1", "pillow",
     "numpy<2.3", "safetensors", "sentencepiece", "setuptools<81", "clint", "openai-clip==1.0.1",
+    "fairscale==0.4.13",
 ]
-NO_DEPS = ["hpsv2==1.2.0"]  # its other requirements (pytest pins, webdataset...) are unused
+# Their other requirements are unused: hpsv2's pytest pins and webdataset; image-reward's
+# accelerate and datasets (its ReFL training script, which is not imported here).
+NO_DEPS = ["hpsv2==1.2.0", "image-reward==1.5"]
 
 # The inputs: 8-bit images of each kind the rewards see, and prompts that need cleaning.
 IMAGE_SIZES = {"square": (160, 160), "wide": (120, 200), "tall": (200, 136), "224": (224, 224)}
@@ -58,6 +65,16 @@ PROMPTS = [
     " ".join(["a very long prompt about a red circle and a blue square"] * 12),
 ]
 TEXT_WIDTH, VISION_WIDTH, EMBED = 8, 32, 16  # tiny towers; the text embedding is 49408 x 8
+# ImageReward's BLIP, tiny: ViT of width 32 (patch 16 at 224, as ViT-L/16), med BERT of width 32.
+BLIP_VISION_WIDTH, BLIP_VISION_HEADS, BLIP_TEXT_WIDTH = 32, 2, 32
+# bert-base-uncased's vocab.txt cannot be fetched, so a synthetic WordPiece vocabulary stands in:
+# its special tokens, characters and ##-pieces, and a few whole words of the prompts (others split
+# into pieces or become [UNK], e.g. the "\ufb01" ligature), uncased and accent-stripped as BERT's.
+BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+BERT_WORDS = ["a", "photo", "of", "cat", "tom", "jerry", "on", "sofa", "van", "go", "##gh",
+              "starry", "night", "over", "field", "lots", "white", "##space", "here", "cafe",
+              "creme", "br", "##ule", "##e", "4", "##k", "very", "long", "prompt", "about",
+              "red", "circle", "and", "blue", "square"]
 
 
 def _run(cmd: list[str]) -> None:
@@ -251,6 +268,90 @@ def _hf_clip(out: Path, bpe: Path, images, golden: dict) -> None:
     golden["aesthetic"] = {"scores": aesthetic.tolist()}
 
 
+def _bert_vocab(cache: Path) -> None:
+    """The synthetic vocab.txt (see BERT_WORDS) as the hub cache's bert-base-uncased snapshot, so
+    the authors' `init_tokenizer` (BertTokenizer.from_pretrained('bert-base-uncased')) runs as
+    written, offline."""
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + list("0123456789&;,.'\u2019\"")
+    tokens = dict.fromkeys(BERT_SPECIALS + BERT_WORDS + letters + ["##" + c for c in letters])
+    repo = cache / "models--bert-base-uncased"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    (snapshot / "vocab.txt").write_text("\n".join(tokens) + "\n")
+
+
+def _imagereward_modules():
+    """ImageReward's model and loader modules, without the package's __init__: that imports its
+    ReFL training script (accelerate, datasets, diffusers' training utilities), which scoring does
+    not use. The package object is created empty and its submodules imported as they are."""
+    import importlib.util
+    import types
+
+    spec = importlib.util.find_spec("ImageReward")
+    package = types.ModuleType("ImageReward")
+    package.__path__ = list(spec.submodule_search_locations)
+    sys.modules["ImageReward"] = package
+    import ImageReward.ImageReward as ir_module
+    import ImageReward.models.BLIP.blip_pretrain as blip_pretrain
+    import ImageReward.utils as ir_utils
+    from ImageReward.models.BLIP.vit import VisionTransformer
+
+    return ir_module, blip_pretrain, ir_utils, VisionTransformer
+
+
+def _imagereward(out: Path, images, golden: dict) -> None:
+    """A tiny ImageReward in the authors' classes (their BLIP ViT, med BERT and MLP), saved as
+    ImageReward.pt + med_config.json, loaded by `ImageReward.load` and scored by
+    `ImageReward.score`. The constructor hard-codes ViT-L and MLP(768): its two factories are
+    swapped for the same classes at tiny sizes (everything else runs as published)."""
+    import torch
+    from transformers import BertTokenizer
+
+    ir_module, blip_pretrain, ir_utils, VisionTransformer = _imagereward_modules()
+
+    def tiny_vit(vit, image_size, use_grad_checkpointing=False, ckpt_layer=0, drop_path_rate=0):
+        return VisionTransformer(img_size=image_size, patch_size=16, embed_dim=BLIP_VISION_WIDTH,
+                                 depth=2, num_heads=BLIP_VISION_HEADS, mlp_ratio=2.0,
+                                 drop_path_rate=0.1), BLIP_VISION_WIDTH
+
+    mlp = ir_module.MLP
+    blip_pretrain.create_vit = tiny_vit
+    ir_module.MLP = lambda input_size: mlp(BLIP_TEXT_WIDTH)
+    directory = out / "imagereward"
+    directory.mkdir(parents=True, exist_ok=True)
+    vocab = len(BertTokenizer.from_pretrained("bert-base-uncased"))
+    # THUDM/ImageReward's med_config.json, at tiny sizes (vocab: BERT's + [DEC] and [ENC]).
+    med = {"architectures": ["BertModel"], "attention_probs_dropout_prob": 0.1,
+           "hidden_act": "gelu", "hidden_dropout_prob": 0.1, "hidden_size": BLIP_TEXT_WIDTH,
+           "initializer_range": 0.02, "intermediate_size": 64, "layer_norm_eps": 1e-12,
+           "max_position_embeddings": 40, "model_type": "bert", "num_attention_heads": 4,
+           "num_hidden_layers": 2, "pad_token_id": 0, "type_vocab_size": 2,
+           "vocab_size": vocab + 2, "encoder_width": BLIP_VISION_WIDTH,
+           "add_cross_attention": True}
+    med_path = directory / "med_config.json"
+    med_path.write_text(json.dumps(med, indent=2) + "\n")
+    torch.manual_seed(5)
+    model = ir_module.ImageReward(med_config=str(med_path), device="cpu")
+    with torch.no_grad():  # weights large enough that the image and every token matter
+        for p in model.blip.parameters():
+            p.normal_(0.0, 0.3)
+        for p in model.mlp.parameters():  # unit scale through the five layers
+            p.normal_(0.0, p.shape[-1] ** -0.5 if p.dim() == 2 else 0.1)
+    checkpoint = directory / "ImageReward.pt"
+    torch.save(model.state_dict(), checkpoint)
+    model = ir_utils.load(str(checkpoint), device="cpu", med_config=str(med_path))
+    with torch.no_grad():
+        scores = [[model.score(prompt, _pil(images[name])) for prompt in PROMPTS]
+                  for name in IMAGE_SIZES]
+    ids = model.blip.tokenizer(PROMPTS, padding="max_length", truncation=True, max_length=35)
+    # The tokenizer as the hub's bert-base-uncased directory holds it (before BLIP's additions).
+    BertTokenizer.from_pretrained("bert-base-uncased").save_pretrained(directory / "tokenizer")
+    ir_module.MLP = mlp
+    golden["imagereward"] = {"scores": scores, "input_ids": ids["input_ids"]}
+
+
 def _compat(out: Path, flow_grpo: Path, dance_grpo: Path, gcpo: Path) -> None:
     """Each project's step function on fixed fp32 inputs with a given prev_sample: log-probs and
     the gradients of their sum with respect to the model output and the latents."""
@@ -301,6 +402,9 @@ def _compat(out: Path, flow_grpo: Path, dance_grpo: Path, gcpo: Path) -> None:
 
 
 def side_generate(args) -> None:
+    hub = Path(tempfile.mkdtemp())  # an offline hub cache holding only the synthetic BERT vocab
+    os.environ.update(HF_HUB_CACHE=str(hub), HF_HUB_OFFLINE="1")
+    _bert_vocab(hub)
     _side_imports()
     import clip
     import torch
@@ -315,6 +419,8 @@ def side_generate(args) -> None:
     golden = {"prompts": PROMPTS, "images": list(IMAGE_SIZES)}
     _hpsv2(out, images, golden)
     _hf_clip(out, bpe, images, golden)
+    _imagereward(out, images, golden)
+    shutil.rmtree(hub)
     (out / "golden.json").write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
     _compat(out, Path(args.flow_grpo), Path(args.dance_grpo), Path(args.gcpo))
 
