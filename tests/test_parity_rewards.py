@@ -1,13 +1,14 @@
-"""Every CLIP-family reward and ImageReward against its authors' own code, on golden fixtures.
+"""Every CLIP-family reward, ImageReward and HPSv3 against its authors' own code, on golden
+fixtures.
 
-tests/fixtures/parity/ is written by tools/make_parity_fixtures.py in a side environment with
-the authors' packages (hpsv2 1.2.0, OpenAI's clip, image-reward 1.5, transformers 4.45.2): tiny
-random models in the authors' classes and layouts, 8-bit images (square, wide, tall and
-224x224), prompts that need cleaning or truncation, and the scores and token ids the authors'
-code gives. Here the same files go through the project's loaders. The CLIP tokenizers use the
-real CLIP BPE vocabulary (bpe_simple_vocab_16e6.txt.gz, as OpenAI's clip and open_clip ship
-it); ImageReward's BERT tokenizer uses a synthetic WordPiece vocabulary in place of
-bert-base-uncased's (it cannot be fetched).
+tests/fixtures/parity/ is written by tools/make_parity_fixtures.py in side environments with the
+authors' packages (hpsv2 1.2.0, OpenAI's clip, image-reward 1.5, hpsv3 1.0.0, transformers
+4.45.2): tiny random models in the authors' classes and layouts, 8-bit images (square, wide,
+tall and 224x224), prompts that need cleaning or truncation, and the scores and token ids the
+authors' code gives. Here the same files go through the project's loaders. The CLIP tokenizers
+use the real CLIP BPE vocabulary (bpe_simple_vocab_16e6.txt.gz, as OpenAI's clip and open_clip
+ship it); ImageReward's BERT tokenizer uses a synthetic WordPiece vocabulary in place of
+bert-base-uncased's, HPSv3's a byte-level BPE in place of Qwen2's (neither can be fetched).
 """
 
 import gzip
@@ -154,3 +155,24 @@ def test_imagereward_token_ids_are_the_authors():
                            max_length=reward.max_length)["input_ids"]
     assert ids == GOLDEN["imagereward"]["input_ids"]
     assert reward.tokenizer.unk_token_id in ids[2]  # the ligature in "\ufb01eld": not in the vocab
+
+
+HPSV3_GOLDEN = json.loads((FIXTURES / "hpsv3" / "golden.json").read_text())
+
+
+def test_hpsv3_matches_hpsv3_reward_inferencer():
+    """HPSv3RewardInferencer.reward (hpsv3 1.0.0, transformers 4.45.2) on a tiny Qwen2-VL
+    reward model (create_model_and_processor, Qwen2VLRewardModelBT) saved as
+    HPSv3.safetensors; the authors' HPSv3_7B.yaml with bf16 off (fp32 on both sides). Qwen2's
+    vocabulary cannot be fetched: a byte-level BPE trained on the instruction and prompts,
+    with Qwen2-VL's special tokens, stands in."""
+    reward = get_reward("hpsv3", model=FIXTURES / "hpsv3", batch_size=len(PROMPTS))
+    want = torch.tensor(HPSV3_GOLDEN["scores"])
+    got = _score_grid(reward)
+    for i, kind in enumerate(KINDS):
+        torch.testing.assert_close(got[i], want[i], rtol=0, atol=2e-6,
+                                   msg=lambda m, kind=kind: f"hpsv3, {kind} image: {m}")
+    square = _images()["square"][None].expand(len(PROMPTS), -1, -1, -1)
+    inputs = reward.preprocess(square, PROMPTS)
+    assert inputs["input_ids"].tolist() == HPSV3_GOLDEN["input_ids"]
+    assert inputs["image_grid_thw"].tolist() == HPSV3_GOLDEN["image_grid_thw"]

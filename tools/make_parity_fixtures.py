@@ -7,8 +7,10 @@ fixed 8-bit images and prompts with the authors' scoring code, and writes everyt
 tests/fixtures/parity/. The regular tests load those files through the project's loaders and
 compare: CI needs no side environment.
 
-    python tools/make_parity_fixtures.py venv --venv /work/venvs/parity-authors
+    python tools/make_parity_fixtures.py venv --venv /work/venvs/parity-authors \\
+        --hpsv3-venv /work/venvs/parity-hpsv3
     python tools/make_parity_fixtures.py generate --venv /work/venvs/parity-authors \\
+        --hpsv3-venv /work/venvs/parity-hpsv3 \\
         --flow-grpo FLOW_GRPO/flow_grpo/diffusers_patch/sd3_sde_with_logprob.py \\
         --dance-grpo DANCEGRPO/fastvideo/train_grpo_flux.py \\
         --gcpo GCPO/fastvideo/train_grpo_flux_pickscore.py
@@ -28,6 +30,12 @@ operator names its import registers fakes for are declared first (no torchvision
 ImageReward: its package __init__ (the ReFL training script) is skipped, its model modules are
 imported as they are; bert-base-uncased's vocabulary cannot be fetched, so a synthetic WordPiece
 vocab.txt stands in for it (BERT_WORDS), served to the authors' tokenizer from an offline hub cache.
+
+HPSv3 needs its own environment (`--hpsv3-venv`; hpsv3 1.0.0 pins transformers 4.45.2 and its
+training imports need trl 0.11 and peft): torch 2.13.0 (CPU), its pins, hpsv3 without deepspeed,
+qwen-vl-utils or opencv (training and data-loading requirements the inferencer never imports; no
+stub stands in). Qwen2's vocabulary cannot be fetched: a byte-level BPE trained on the
+instruction and prompts, with Qwen2-VL's special tokens and Qwen2's NFC normaliser, stands in.
 """
 
 from __future__ import annotations
@@ -70,6 +78,15 @@ BLIP_VISION_WIDTH, BLIP_VISION_HEADS, BLIP_TEXT_WIDTH = 32, 2, 32
 # bert-base-uncased's vocab.txt cannot be fetched, so a synthetic WordPiece vocabulary stands in:
 # its special tokens, characters and ##-pieces, and a few whole words of the prompts (others split
 # into pieces or become [UNK], e.g. the "\ufb01" ligature), uncased and accent-stripped as BERT's.
+HPSV3_PACKAGES = [  # hpsv3 1.0.0's pins (transformers 4.45.2); deepspeed is for training only
+    "torch==2.13.0", "torchvision==0.28.0", "transformers==4.45.2", "trl==0.11.4", "peft==0.13.2",
+    "accelerate", "datasets", "omegaconf", "fire", "pandas", "matplotlib", "tensorboard", "rich",
+    "safetensors", "numpy<2.3", "pillow", "pyyaml", "einops", "requests",
+]
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>",
+                 "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>",
+                 "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+                 "<|image_pad|>", "<|video_pad|>"]
 BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 BERT_WORDS = ["a", "photo", "of", "cat", "tom", "jerry", "on", "sofa", "van", "go", "##gh",
               "starry", "night", "over", "field", "lots", "white", "##space", "here", "cafe",
@@ -94,6 +111,25 @@ def make_venv(venv: Path) -> None:
             "dst = os.path.join(os.path.dirname(u.find_spec('hpsv2').origin), 'src', "
             "'open_clip'); shutil.copy(src, dst)")
     _run([str(venv / "bin" / "python"), "-c", code])
+
+
+def make_hpsv3_venv(venv: Path) -> None:
+    """hpsv3's side environment: its pins, hpsv3 itself without deepspeed/qwen-vl-utils/opencv
+    (training and data-loading requirements its inferencer does not import)."""
+    if not (venv / "bin" / "python").exists():
+        _run([sys.executable, "-m", "venv", str(venv)])
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+    _run(pip + HPSV3_PACKAGES)
+    _run(pip + ["--no-deps", "hpsv3==1.0.0"])
+
+
+def load_constant(path: Path, name: str):
+    """The literal value of the top-level assignment `name = ...` in the Python file `path`."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and [t.id for t in node.targets
+                                             if isinstance(t, ast.Name)] == [name]:
+            return ast.literal_eval(node.value)
+    raise SystemExit(f"{path} assigns no top-level {name!r}")
 
 
 def load_function(path: Path, name: str, namespace: dict):
@@ -352,6 +388,122 @@ def _imagereward(out: Path, images, golden: dict) -> None:
     golden["imagereward"] = {"scores": scores, "input_ids": ids["input_ids"]}
 
 
+def _hpsv3_base(base: Path, instruction: str) -> None:
+    """A tiny Qwen2-VL directory as Qwen/Qwen2-VL-7B-Instruct is laid out (flat 4.45 config,
+    processor, chat template, weights): the authors' `model_name_or_path`. Its tokenizer is a
+    byte-level BPE trained here on the instruction and prompts with Qwen2-VL's special tokens
+    (Qwen2's 151k-token vocabulary cannot be fetched)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import (
+        Qwen2TokenizerFast,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessor,
+        Qwen2VLProcessor,
+    )
+
+    # Qwen2-VL-7B-Instruct's published chat template (the project's tiny HPSv3 holds a copy).
+    template = load_constant(ROOT / "tests" / "hpsv3_tiny.py", "QWEN2_VL_TEMPLATE")
+    bpe = Tokenizer(models.BPE())
+    bpe.normalizer = normalizers.NFC()  # as Qwen2's tokenizer.json
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=QWEN_SPECIALS,
+                                  show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator([instruction] + PROMPTS, trainer)
+    tokenizer = Qwen2TokenizerFast(tokenizer_object=bpe,
+                                   additional_special_tokens=QWEN_SPECIALS[1:],
+                                   eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   unk_token=None, bos_token=None)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
+    config = Qwen2VLConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=4096, rope_theta=1000000.0,
+        rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]},
+        vocab_size=len(tokenizer) + 64, tie_word_embeddings=False,
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        vision_token_id=ids["<|vision_pad|>"], image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_config={"depth": 1, "embed_dim": 16, "mlp_ratio": 2, "num_heads": 2,
+                       "in_chans": 3, "hidden_size": 32, "patch_size": 14,
+                       "spatial_merge_size": 2, "temporal_patch_size": 2})
+    torch.manual_seed(6)
+    Qwen2VLForConditionalGeneration(config).save_pretrained(base)
+    processor = Qwen2VLProcessor(Qwen2VLImageProcessor(min_pixels=3136, max_pixels=12845056),
+                                 tokenizer, chat_template=template)
+    processor.save_pretrained(base)
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(base)
+
+
+def side_hpsv3(out: Path) -> None:
+    """A tiny HPSv3 in the authors' classes (hpsv3 1.0.0's `create_model_and_processor`,
+    Qwen2VLRewardModelBT), saved as HPSv3.safetensors, loaded and scored by
+    `HPSv3RewardInferencer`. Its config is HPSv3_7B.yaml with the tiny base as
+    model_name_or_path, in fp32 (bf16/torch_dtype off: the CPU comparison is exact there)."""
+    _side_imports()
+    import safetensors.torch
+    import torch
+    import yaml
+    from hpsv3.dataset.data_collator_qwen import INSTRUCTION
+    from hpsv3.inference import _MODEL_CONFIG_PATH, HPSv3RewardInferencer
+    from hpsv3.train import create_model_and_processor
+    from hpsv3.utils.parser import (
+        DataConfig,
+        ModelConfig,
+        PEFTLoraConfig,
+        TrainingConfig,
+        parse_args_with_yaml,
+    )
+
+    torch.set_num_threads(1)
+    images = _images()
+    work = Path(tempfile.mkdtemp())
+    base = work / "Qwen2-VL-tiny"
+    _hpsv3_base(base, INSTRUCTION)
+    config = yaml.safe_load((_MODEL_CONFIG_PATH / "HPSv3_7B.yaml").read_text())
+    config.update(model_name_or_path=str(base), bf16=False, torch_dtype="float32")
+    config_path = work / "HPSv3_tiny.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    # The authors' model as their inferencer builds it (base weights, <|Reward|> added, head),
+    # its weights then set to a scale at which the image and every token matter; saved as the
+    # checkpoint the inferencer loads.
+    (_, training_args, model_config, lora_config), _ = parse_args_with_yaml(
+        (DataConfig, TrainingConfig, ModelConfig, PEFTLoraConfig), str(config_path),
+        is_train=False)
+    torch.manual_seed(7)
+    model, _, _ = create_model_and_processor(model_config=model_config,
+                                             peft_lora_config=lora_config,
+                                             training_args=training_args)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, (p[0].numel()) ** -0.5)
+            else:
+                p.add_(0.1 * torch.randn_like(p))
+    directory = out / "hpsv3"
+    directory.mkdir(parents=True, exist_ok=True)
+    checkpoint = directory / "HPSv3.safetensors"
+    safetensors.torch.save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+                                str(checkpoint))
+    inferencer = HPSv3RewardInferencer(str(config_path), str(checkpoint), device="cpu")
+    with torch.no_grad():
+        scores = [inferencer.reward([_pil(images[name])] * len(PROMPTS), PROMPTS)[:, 0].tolist()
+                  for name in IMAGE_SIZES]
+        batch = inferencer.prepare_batch([_pil(images["square"])] * len(PROMPTS), PROMPTS)
+    for name in ("config.json", "preprocessor_config.json", "tokenizer.json",
+                 "tokenizer_config.json", "special_tokens_map.json", "chat_template.json"):
+        if (base / name).exists():
+            shutil.copy(base / name, directory / name)
+    golden = {"scores": scores, "input_ids": batch["input_ids"].tolist(),
+              "image_grid_thw": batch["image_grid_thw"].tolist()}
+    (directory / "golden.json").write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
+    shutil.rmtree(work)
+
+
 def _compat(out: Path, flow_grpo: Path, dance_grpo: Path, gcpo: Path) -> None:
     """Each project's step function on fixed fp32 inputs with a given prev_sample: log-probs and
     the gradients of their sum with respect to the model output and the latents."""
@@ -428,27 +580,41 @@ def side_generate(args) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    venv = sub.add_parser("venv", help="build the side environment")
+    venv = sub.add_parser("venv", help="build the side environments")
     venv.add_argument("--venv", type=Path, required=True)
+    venv.add_argument("--hpsv3-venv", type=Path, help="hpsv3's own (transformers 4.45.2, trl)")
     for name in ("generate", "_side"):
         gen = sub.add_parser(name, help="write tests/fixtures/parity" if name == "generate"
                              else argparse.SUPPRESS)
         gen.add_argument("--venv", type=Path, required=name == "generate")
+        gen.add_argument("--hpsv3-venv", type=Path, help="also write the HPSv3 fixtures")
         gen.add_argument("--flow-grpo", required=True, help="flow_grpo's sd3_sde_with_logprob.py")
         gen.add_argument("--dance-grpo", required=True, help="DanceGRPO's train_grpo_flux.py")
         gen.add_argument("--gcpo", required=True, help="GCPO's train_grpo_flux_pickscore.py")
         gen.add_argument("--out", default=str(OUT))
+    side3 = sub.add_parser("_side_hpsv3", help=argparse.SUPPRESS)
+    side3.add_argument("--out", default=str(OUT))
     args = parser.parse_args(argv)
     if args.command == "venv":
         make_venv(args.venv)
+        if args.hpsv3_venv:
+            make_hpsv3_venv(args.hpsv3_venv)
     elif args.command == "generate":
         env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
+        out = str(Path(args.out).resolve())
         cmd = [str(args.venv / "bin" / "python"), str(Path(__file__).resolve()), "_side",
                "--flow-grpo", str(Path(args.flow_grpo).resolve()),
                "--dance-grpo", str(Path(args.dance_grpo).resolve()),
-               "--gcpo", str(Path(args.gcpo).resolve()), "--out", str(Path(args.out).resolve())]
+               "--gcpo", str(Path(args.gcpo).resolve()), "--out", out]
         print("+", " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True, env=env, cwd="/")
+        if args.hpsv3_venv:
+            cmd = [str(args.hpsv3_venv / "bin" / "python"), str(Path(__file__).resolve()),
+                   "_side_hpsv3", "--out", out]
+            print("+", " ".join(cmd), flush=True)
+            subprocess.run(cmd, check=True, env=env, cwd="/")
+    elif args.command == "_side_hpsv3":
+        side_hpsv3(Path(args.out))
     else:
         side_generate(args)
 
