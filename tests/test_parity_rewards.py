@@ -154,7 +154,8 @@ def test_imagereward_token_ids_are_the_authors():
     ids = reward.tokenizer(PROMPTS, padding="max_length", truncation=True,
                            max_length=reward.max_length)["input_ids"]
     assert ids == GOLDEN["imagereward"]["input_ids"]
-    assert reward.tokenizer.unk_token_id in ids[2]  # the ligature in "\ufb01eld": not in the vocab
+    # Characters outside the vocabulary (the "\ufb01" ligature, curly double quotes): [UNK].
+    assert reward.tokenizer.unk_token_id in ids[2]
 
 
 HPSV3_GOLDEN = json.loads((FIXTURES / "hpsv3" / "golden.json").read_text())

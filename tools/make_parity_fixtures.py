@@ -352,7 +352,7 @@ def _imagereward(out: Path, images, golden: dict) -> None:
                                  depth=2, num_heads=BLIP_VISION_HEADS, mlp_ratio=2.0,
                                  drop_path_rate=0.1), BLIP_VISION_WIDTH
 
-    mlp = ir_module.MLP
+    mlp, create_vit = ir_module.MLP, blip_pretrain.create_vit
     blip_pretrain.create_vit = tiny_vit
     ir_module.MLP = lambda input_size: mlp(BLIP_TEXT_WIDTH)
     directory = out / "imagereward"
@@ -384,7 +384,7 @@ def _imagereward(out: Path, images, golden: dict) -> None:
     ids = model.blip.tokenizer(PROMPTS, padding="max_length", truncation=True, max_length=35)
     # The tokenizer as the hub's bert-base-uncased directory holds it (before BLIP's additions).
     BertTokenizer.from_pretrained("bert-base-uncased").save_pretrained(directory / "tokenizer")
-    ir_module.MLP = mlp
+    ir_module.MLP, blip_pretrain.create_vit = mlp, create_vit
     golden["imagereward"] = {"scores": scores, "input_ids": ids["input_ids"]}
 
 
