@@ -500,7 +500,7 @@ def side_hpsv3(out: Path) -> None:
             shutil.copy(base / name, directory / name)
     golden = {"scores": scores, "input_ids": batch["input_ids"].tolist(),
               "image_grid_thw": batch["image_grid_thw"].tolist()}
-    (directory / "golden.json").write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
+    (directory / "golden.json").write_text(json.dumps(golden, sort_keys=True) + "\n")
     shutil.rmtree(work)
 
 
