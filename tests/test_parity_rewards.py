@@ -1,11 +1,14 @@
-"""Every CLIP-family reward against its authors' own code, on golden fixtures.
+"""Every CLIP-family reward, ImageReward and HPSv3 against its authors' own code, on golden
+fixtures.
 
-tests/fixtures/parity/ is written by tools/make_parity_fixtures.py in a side environment with
-the authors' packages (hpsv2 1.2.0, OpenAI's clip, transformers 4.45.2): tiny random models in
-the authors' classes and layouts, 8-bit images (square, wide, tall and 224x224), prompts that
-need cleaning or truncation, and the scores and token ids the authors' code gives. Here the same
-files go through the project's loaders. The tokenizers use the real CLIP BPE vocabulary
-(bpe_simple_vocab_16e6.txt.gz, as OpenAI's clip and open_clip ship it).
+tests/fixtures/parity/ is written by tools/make_parity_fixtures.py in side environments with the
+authors' packages (hpsv2 1.2.0, OpenAI's clip, image-reward 1.5, hpsv3 1.0.0, transformers
+4.45.2): tiny random models in the authors' classes and layouts, 8-bit images (square, wide,
+tall and 224x224), prompts that need cleaning or truncation, and the scores and token ids the
+authors' code gives. Here the same files go through the project's loaders. The CLIP tokenizers
+use the real CLIP BPE vocabulary (bpe_simple_vocab_16e6.txt.gz, as OpenAI's clip and open_clip
+ship it); ImageReward's BERT tokenizer uses a synthetic WordPiece vocabulary in place of
+bert-base-uncased's, HPSv3's a byte-level BPE in place of Qwen2's (neither can be fetched).
 """
 
 import gzip
@@ -131,3 +134,46 @@ def test_token_ids_are_the_authors(processor_dir, reward, clean):
         raw = tokenizer(PROMPTS[1:3], truncation=True, max_length=77)["input_ids"]
         assert all(r != _ids_until_end(w, end)
                    for r, w in zip(raw, GOLDEN[reward]["input_ids"][1:3], strict=True))
+
+
+def test_imagereward_matches_imagereward_score():
+    """ImageReward.load + ImageReward.score (image-reward 1.5) on a tiny BLIP saved as
+    ImageReward.pt + med_config.json. bert-base-uncased's vocabulary cannot be fetched: a
+    synthetic WordPiece vocab.txt (BERT's special tokens, characters, ##-pieces and some words)
+    stands in, run through the authors' BertTokenizer and this project's tokenizer alike."""
+    reward = get_reward("imagereward", model=FIXTURES / "imagereward",
+                        tokenizer=FIXTURES / "imagereward" / "tokenizer", vision_heads=2)
+    _check("imagereward", _score_grid(reward), atol=2e-6)
+
+
+def test_imagereward_token_ids_are_the_authors():
+    """BERT's cleaning (lower case, accents stripped, punctuation split, `&amp;` kept as text)
+    and truncation at 35 tokens, padded to 35, as the authors' tokenizer call gives them."""
+    reward = get_reward("imagereward", model=FIXTURES / "imagereward",
+                        tokenizer=FIXTURES / "imagereward" / "tokenizer", vision_heads=2)
+    ids = reward.tokenizer(PROMPTS, padding="max_length", truncation=True,
+                           max_length=reward.max_length)["input_ids"]
+    assert ids == GOLDEN["imagereward"]["input_ids"]
+    # Characters outside the vocabulary (the "\ufb01" ligature, curly double quotes): [UNK].
+    assert reward.tokenizer.unk_token_id in ids[2]
+
+
+HPSV3_GOLDEN = json.loads((FIXTURES / "hpsv3" / "golden.json").read_text())
+
+
+def test_hpsv3_matches_hpsv3_reward_inferencer():
+    """HPSv3RewardInferencer.reward (hpsv3 1.0.0, transformers 4.45.2) on a tiny Qwen2-VL
+    reward model (create_model_and_processor, Qwen2VLRewardModelBT) saved as
+    HPSv3.safetensors; the authors' HPSv3_7B.yaml with bf16 off (fp32 on both sides). Qwen2's
+    vocabulary cannot be fetched: a byte-level BPE trained on the instruction and prompts,
+    with Qwen2-VL's special tokens, stands in."""
+    reward = get_reward("hpsv3", model=FIXTURES / "hpsv3", batch_size=len(PROMPTS))
+    want = torch.tensor(HPSV3_GOLDEN["scores"])
+    got = _score_grid(reward)
+    for i, kind in enumerate(KINDS):
+        torch.testing.assert_close(got[i], want[i], rtol=0, atol=2e-6,
+                                   msg=lambda m, kind=kind: f"hpsv3, {kind} image: {m}")
+    square = _images()["square"][None].expand(len(PROMPTS), -1, -1, -1)
+    inputs = reward.preprocess(square, PROMPTS)
+    assert inputs["input_ids"].tolist() == HPSV3_GOLDEN["input_ids"]
+    assert inputs["image_grid_thw"].tolist() == HPSV3_GOLDEN["image_grid_thw"]

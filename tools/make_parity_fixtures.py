@@ -7,8 +7,10 @@ fixed 8-bit images and prompts with the authors' scoring code, and writes everyt
 tests/fixtures/parity/. The regular tests load those files through the project's loaders and
 compare: CI needs no side environment.
 
-    python tools/make_parity_fixtures.py venv --venv /work/venvs/parity-authors
+    python tools/make_parity_fixtures.py venv --venv /work/venvs/parity-authors \\
+        --hpsv3-venv /work/venvs/parity-hpsv3
     python tools/make_parity_fixtures.py generate --venv /work/venvs/parity-authors \\
+        --hpsv3-venv /work/venvs/parity-hpsv3 \\
         --flow-grpo FLOW_GRPO/flow_grpo/diffusers_patch/sd3_sde_with_logprob.py \\
         --dance-grpo DANCEGRPO/fastvideo/train_grpo_flux.py \\
         --gcpo GCPO/fastvideo/train_grpo_flux_pickscore.py
@@ -19,11 +21,21 @@ function is taken from each (by name, with `ast`) and run. Every random draw is 
 `generate` again writes byte-identical files.
 
 Side environment (`venv`): torch 2.13.0 (CPU), torchvision 0.28.0, transformers 4.45.2 (hpsv3's
-pin), hpsv2 1.2.0, openai-clip 1.0.1 (OpenAI's `clip` package), diffusers (the scheduler Flow-GRPO's
-step takes). Two repairs, both outside the authors' code: hpsv2 1.2.0's wheel lacks its BPE file
+pin), hpsv2 1.2.0, openai-clip 1.0.1 (OpenAI's `clip` package), image-reward 1.5 (with timm
+0.6.13 and fairscale), diffusers (the scheduler Flow-GRPO's step takes). Two repairs, both
+outside the authors' code: hpsv2 1.2.0's wheel lacks its BPE file
 (bpe_simple_vocab_16e6.txt.gz), which is copied in from `clip` (the same file); and PyPI's
 torchvision is built against CUDA torch, so its C ops cannot load beside the CPU torch: the two
 operator names its import registers fakes for are declared first (no torchvision op is used).
+ImageReward: its package __init__ (the ReFL training script) is skipped, its model modules are
+imported as they are; bert-base-uncased's vocabulary cannot be fetched, so a synthetic WordPiece
+vocab.txt stands in for it (BERT_WORDS), served to the authors' tokenizer from an offline hub cache.
+
+HPSv3 needs its own environment (`--hpsv3-venv`; hpsv3 1.0.0 pins transformers 4.45.2 and its
+training imports need trl 0.11 and peft): torch 2.13.0 (CPU), its pins, hpsv3 without deepspeed,
+qwen-vl-utils or opencv (training and data-loading requirements the inferencer never imports; no
+stub stands in). Qwen2's vocabulary cannot be fetched: a byte-level BPE trained on the
+instruction and prompts, with Qwen2-VL's special tokens and Qwen2's NFC normaliser, stands in.
 """
 
 from __future__ import annotations
@@ -44,8 +56,11 @@ SIDE_PACKAGES = [
     "torch==2.13.0", "torchvision==0.28.0", "transformers==4.45.2", "diffusers==0.35.2",
     "ftfy==6.3.1", "regex", "einops", "timm==0.6.13", "huggingface-hub<1", "pillow",
     "numpy<2.3", "safetensors", "sentencepiece", "setuptools<81", "clint", "openai-clip==1.0.1",
+    "fairscale==0.4.13",
 ]
-NO_DEPS = ["hpsv2==1.2.0"]  # its other requirements (pytest pins, webdataset...) are unused
+# Their other requirements are unused: hpsv2's pytest pins and webdataset; image-reward's
+# accelerate and datasets (its ReFL training script, which is not imported here).
+NO_DEPS = ["hpsv2==1.2.0", "image-reward==1.5"]
 
 # The inputs: 8-bit images of each kind the rewards see, and prompts that need cleaning.
 IMAGE_SIZES = {"square": (160, 160), "wide": (120, 200), "tall": (200, 136), "224": (224, 224)}
@@ -58,6 +73,25 @@ PROMPTS = [
     " ".join(["a very long prompt about a red circle and a blue square"] * 12),
 ]
 TEXT_WIDTH, VISION_WIDTH, EMBED = 8, 32, 16  # tiny towers; the text embedding is 49408 x 8
+# ImageReward's BLIP, tiny: ViT of width 32 (patch 16 at 224, as ViT-L/16), med BERT of width 32.
+BLIP_VISION_WIDTH, BLIP_VISION_HEADS, BLIP_TEXT_WIDTH = 32, 2, 32
+# bert-base-uncased's vocab.txt cannot be fetched, so a synthetic WordPiece vocabulary stands in:
+# its special tokens, characters and ##-pieces, and a few whole words of the prompts (others split
+# into pieces or become [UNK], e.g. the "\ufb01" ligature), uncased and accent-stripped as BERT's.
+HPSV3_PACKAGES = [  # hpsv3 1.0.0's pins (transformers 4.45.2); deepspeed is for training only
+    "torch==2.13.0", "torchvision==0.28.0", "transformers==4.45.2", "trl==0.11.4", "peft==0.13.2",
+    "accelerate", "datasets", "omegaconf", "fire", "pandas", "matplotlib", "tensorboard", "rich",
+    "safetensors", "numpy<2.3", "pillow", "pyyaml", "einops", "requests",
+]
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>",
+                 "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>",
+                 "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+                 "<|image_pad|>", "<|video_pad|>"]
+BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+BERT_WORDS = ["a", "photo", "of", "cat", "tom", "jerry", "on", "sofa", "van", "go", "##gh",
+              "starry", "night", "over", "field", "lots", "white", "##space", "here", "cafe",
+              "creme", "br", "##ule", "##e", "4", "##k", "very", "long", "prompt", "about",
+              "red", "circle", "and", "blue", "square"]
 
 
 def _run(cmd: list[str]) -> None:
@@ -77,6 +111,25 @@ def make_venv(venv: Path) -> None:
             "dst = os.path.join(os.path.dirname(u.find_spec('hpsv2').origin), 'src', "
             "'open_clip'); shutil.copy(src, dst)")
     _run([str(venv / "bin" / "python"), "-c", code])
+
+
+def make_hpsv3_venv(venv: Path) -> None:
+    """hpsv3's side environment: its pins, hpsv3 itself without deepspeed/qwen-vl-utils/opencv
+    (training and data-loading requirements its inferencer does not import)."""
+    if not (venv / "bin" / "python").exists():
+        _run([sys.executable, "-m", "venv", str(venv)])
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+    _run(pip + HPSV3_PACKAGES)
+    _run(pip + ["--no-deps", "hpsv3==1.0.0"])
+
+
+def load_constant(path: Path, name: str):
+    """The literal value of the top-level assignment `name = ...` in the Python file `path`."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and [t.id for t in node.targets
+                                             if isinstance(t, ast.Name)] == [name]:
+            return ast.literal_eval(node.value)
+    raise SystemExit(f"{path} assigns no top-level {name!r}")
 
 
 def load_function(path: Path, name: str, namespace: dict):
@@ -251,6 +304,206 @@ def _hf_clip(out: Path, bpe: Path, images, golden: dict) -> None:
     golden["aesthetic"] = {"scores": aesthetic.tolist()}
 
 
+def _bert_vocab(cache: Path) -> None:
+    """The synthetic vocab.txt (see BERT_WORDS) as the hub cache's bert-base-uncased snapshot, so
+    the authors' `init_tokenizer` (BertTokenizer.from_pretrained('bert-base-uncased')) runs as
+    written, offline."""
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + list("0123456789&;,.'\u2019\"")
+    tokens = dict.fromkeys(BERT_SPECIALS + BERT_WORDS + letters + ["##" + c for c in letters])
+    repo = cache / "models--bert-base-uncased"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    (snapshot / "vocab.txt").write_text("\n".join(tokens) + "\n")
+
+
+def _imagereward_modules():
+    """ImageReward's model and loader modules, without the package's __init__: that imports its
+    ReFL training script (accelerate, datasets, diffusers' training utilities), which scoring does
+    not use. The package object is created empty and its submodules imported as they are."""
+    import importlib.util
+    import types
+
+    spec = importlib.util.find_spec("ImageReward")
+    package = types.ModuleType("ImageReward")
+    package.__path__ = list(spec.submodule_search_locations)
+    sys.modules["ImageReward"] = package
+    import ImageReward.ImageReward as ir_module
+    import ImageReward.models.BLIP.blip_pretrain as blip_pretrain
+    import ImageReward.utils as ir_utils
+    from ImageReward.models.BLIP.vit import VisionTransformer
+
+    return ir_module, blip_pretrain, ir_utils, VisionTransformer
+
+
+def _imagereward(out: Path, images, golden: dict) -> None:
+    """A tiny ImageReward in the authors' classes (their BLIP ViT, med BERT and MLP), saved as
+    ImageReward.pt + med_config.json, loaded by `ImageReward.load` and scored by
+    `ImageReward.score`. The constructor hard-codes ViT-L and MLP(768): its two factories are
+    swapped for the same classes at tiny sizes (everything else runs as published)."""
+    import torch
+    from transformers import BertTokenizer
+
+    ir_module, blip_pretrain, ir_utils, VisionTransformer = _imagereward_modules()
+
+    def tiny_vit(vit, image_size, use_grad_checkpointing=False, ckpt_layer=0, drop_path_rate=0):
+        return VisionTransformer(img_size=image_size, patch_size=16, embed_dim=BLIP_VISION_WIDTH,
+                                 depth=2, num_heads=BLIP_VISION_HEADS, mlp_ratio=2.0,
+                                 drop_path_rate=0.1), BLIP_VISION_WIDTH
+
+    mlp, create_vit = ir_module.MLP, blip_pretrain.create_vit
+    blip_pretrain.create_vit = tiny_vit
+    ir_module.MLP = lambda input_size: mlp(BLIP_TEXT_WIDTH)
+    directory = out / "imagereward"
+    directory.mkdir(parents=True, exist_ok=True)
+    vocab = len(BertTokenizer.from_pretrained("bert-base-uncased"))
+    # THUDM/ImageReward's med_config.json, at tiny sizes (vocab: BERT's + [DEC] and [ENC]).
+    med = {"architectures": ["BertModel"], "attention_probs_dropout_prob": 0.1,
+           "hidden_act": "gelu", "hidden_dropout_prob": 0.1, "hidden_size": BLIP_TEXT_WIDTH,
+           "initializer_range": 0.02, "intermediate_size": 64, "layer_norm_eps": 1e-12,
+           "max_position_embeddings": 40, "model_type": "bert", "num_attention_heads": 4,
+           "num_hidden_layers": 2, "pad_token_id": 0, "type_vocab_size": 2,
+           "vocab_size": vocab + 2, "encoder_width": BLIP_VISION_WIDTH,
+           "add_cross_attention": True}
+    med_path = directory / "med_config.json"
+    med_path.write_text(json.dumps(med, indent=2) + "\n")
+    torch.manual_seed(5)
+    model = ir_module.ImageReward(med_config=str(med_path), device="cpu")
+    with torch.no_grad():  # weights large enough that the image and every token matter
+        for p in model.blip.parameters():
+            p.normal_(0.0, 0.3)
+        for p in model.mlp.parameters():  # unit scale through the five layers
+            p.normal_(0.0, p.shape[-1] ** -0.5 if p.dim() == 2 else 0.1)
+    checkpoint = directory / "ImageReward.pt"
+    torch.save(model.state_dict(), checkpoint)
+    model = ir_utils.load(str(checkpoint), device="cpu", med_config=str(med_path))
+    with torch.no_grad():
+        scores = [[model.score(prompt, _pil(images[name])) for prompt in PROMPTS]
+                  for name in IMAGE_SIZES]
+    ids = model.blip.tokenizer(PROMPTS, padding="max_length", truncation=True, max_length=35)
+    # The tokenizer as the hub's bert-base-uncased directory holds it (before BLIP's additions).
+    BertTokenizer.from_pretrained("bert-base-uncased").save_pretrained(directory / "tokenizer")
+    ir_module.MLP, blip_pretrain.create_vit = mlp, create_vit
+    golden["imagereward"] = {"scores": scores, "input_ids": ids["input_ids"]}
+
+
+def _hpsv3_base(base: Path, instruction: str) -> None:
+    """A tiny Qwen2-VL directory as Qwen/Qwen2-VL-7B-Instruct is laid out (flat 4.45 config,
+    processor, chat template, weights): the authors' `model_name_or_path`. Its tokenizer is a
+    byte-level BPE trained here on the instruction and prompts with Qwen2-VL's special tokens
+    (Qwen2's 151k-token vocabulary cannot be fetched)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import (
+        Qwen2TokenizerFast,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessor,
+        Qwen2VLProcessor,
+    )
+
+    # Qwen2-VL-7B-Instruct's published chat template (the project's tiny HPSv3 holds a copy).
+    template = load_constant(ROOT / "tests" / "hpsv3_tiny.py", "QWEN2_VL_TEMPLATE")
+    bpe = Tokenizer(models.BPE())
+    bpe.normalizer = normalizers.NFC()  # as Qwen2's tokenizer.json
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=QWEN_SPECIALS,
+                                  show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator([instruction] + PROMPTS, trainer)
+    tokenizer = Qwen2TokenizerFast(tokenizer_object=bpe,
+                                   additional_special_tokens=QWEN_SPECIALS[1:],
+                                   eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   unk_token=None, bos_token=None)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
+    config = Qwen2VLConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=4096, rope_theta=1000000.0,
+        rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]},
+        vocab_size=len(tokenizer) + 64, tie_word_embeddings=False,
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        vision_token_id=ids["<|vision_pad|>"], image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_config={"depth": 1, "embed_dim": 16, "mlp_ratio": 2, "num_heads": 2,
+                       "in_chans": 3, "hidden_size": 32, "patch_size": 14,
+                       "spatial_merge_size": 2, "temporal_patch_size": 2})
+    torch.manual_seed(6)
+    Qwen2VLForConditionalGeneration(config).save_pretrained(base)
+    processor = Qwen2VLProcessor(Qwen2VLImageProcessor(min_pixels=3136, max_pixels=12845056),
+                                 tokenizer, chat_template=template)
+    processor.save_pretrained(base)
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(base)
+
+
+def side_hpsv3(out: Path) -> None:
+    """A tiny HPSv3 in the authors' classes (hpsv3 1.0.0's `create_model_and_processor`,
+    Qwen2VLRewardModelBT), saved as HPSv3.safetensors, loaded and scored by
+    `HPSv3RewardInferencer`. Its config is HPSv3_7B.yaml with the tiny base as
+    model_name_or_path, in fp32 (bf16/torch_dtype off: the CPU comparison is exact there)."""
+    _side_imports()
+    import safetensors.torch
+    import torch
+    import yaml
+    from hpsv3.dataset.data_collator_qwen import INSTRUCTION
+    from hpsv3.inference import _MODEL_CONFIG_PATH, HPSv3RewardInferencer
+    from hpsv3.train import create_model_and_processor
+    from hpsv3.utils.parser import (
+        DataConfig,
+        ModelConfig,
+        PEFTLoraConfig,
+        TrainingConfig,
+        parse_args_with_yaml,
+    )
+
+    torch.set_num_threads(1)
+    images = _images()
+    work = Path(tempfile.mkdtemp())
+    base = work / "Qwen2-VL-tiny"
+    _hpsv3_base(base, INSTRUCTION)
+    config = yaml.safe_load((_MODEL_CONFIG_PATH / "HPSv3_7B.yaml").read_text())
+    config.update(model_name_or_path=str(base), bf16=False, torch_dtype="float32")
+    config_path = work / "HPSv3_tiny.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    # The authors' model as their inferencer builds it (base weights, <|Reward|> added, head),
+    # its weights then set to a scale at which the image and every token matter; saved as the
+    # checkpoint the inferencer loads.
+    (_, training_args, model_config, lora_config), _ = parse_args_with_yaml(
+        (DataConfig, TrainingConfig, ModelConfig, PEFTLoraConfig), str(config_path),
+        is_train=False)
+    torch.manual_seed(7)
+    model, _, _ = create_model_and_processor(model_config=model_config,
+                                             peft_lora_config=lora_config,
+                                             training_args=training_args)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, (p[0].numel()) ** -0.5)
+            else:
+                p.add_(0.1 * torch.randn_like(p))
+    directory = out / "hpsv3"
+    directory.mkdir(parents=True, exist_ok=True)
+    checkpoint = directory / "HPSv3.safetensors"
+    safetensors.torch.save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+                                str(checkpoint))
+    inferencer = HPSv3RewardInferencer(str(config_path), str(checkpoint), device="cpu")
+    with torch.no_grad():
+        scores = [inferencer.reward([_pil(images[name])] * len(PROMPTS), PROMPTS)[:, 0].tolist()
+                  for name in IMAGE_SIZES]
+        batch = inferencer.prepare_batch([_pil(images["square"])] * len(PROMPTS), PROMPTS)
+    for name in ("config.json", "preprocessor_config.json", "tokenizer.json",
+                 "tokenizer_config.json", "special_tokens_map.json", "chat_template.json"):
+        if (base / name).exists():
+            shutil.copy(base / name, directory / name)
+    golden = {"scores": scores, "input_ids": batch["input_ids"].tolist(),
+              "image_grid_thw": batch["image_grid_thw"].tolist()}
+    (directory / "golden.json").write_text(json.dumps(golden, sort_keys=True) + "\n")
+    shutil.rmtree(work)
+
+
 def _compat(out: Path, flow_grpo: Path, dance_grpo: Path, gcpo: Path) -> None:
     """Each project's step function on fixed fp32 inputs with a given prev_sample: log-probs and
     the gradients of their sum with respect to the model output and the latents."""
@@ -301,6 +554,9 @@ def _compat(out: Path, flow_grpo: Path, dance_grpo: Path, gcpo: Path) -> None:
 
 
 def side_generate(args) -> None:
+    hub = Path(tempfile.mkdtemp())  # an offline hub cache holding only the synthetic BERT vocab
+    os.environ.update(HF_HUB_CACHE=str(hub), HF_HUB_OFFLINE="1")
+    _bert_vocab(hub)
     _side_imports()
     import clip
     import torch
@@ -315,6 +571,8 @@ def side_generate(args) -> None:
     golden = {"prompts": PROMPTS, "images": list(IMAGE_SIZES)}
     _hpsv2(out, images, golden)
     _hf_clip(out, bpe, images, golden)
+    _imagereward(out, images, golden)
+    shutil.rmtree(hub)
     (out / "golden.json").write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
     _compat(out, Path(args.flow_grpo), Path(args.dance_grpo), Path(args.gcpo))
 
@@ -322,27 +580,41 @@ def side_generate(args) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    venv = sub.add_parser("venv", help="build the side environment")
+    venv = sub.add_parser("venv", help="build the side environments")
     venv.add_argument("--venv", type=Path, required=True)
+    venv.add_argument("--hpsv3-venv", type=Path, help="hpsv3's own (transformers 4.45.2, trl)")
     for name in ("generate", "_side"):
         gen = sub.add_parser(name, help="write tests/fixtures/parity" if name == "generate"
                              else argparse.SUPPRESS)
         gen.add_argument("--venv", type=Path, required=name == "generate")
+        gen.add_argument("--hpsv3-venv", type=Path, help="also write the HPSv3 fixtures")
         gen.add_argument("--flow-grpo", required=True, help="flow_grpo's sd3_sde_with_logprob.py")
         gen.add_argument("--dance-grpo", required=True, help="DanceGRPO's train_grpo_flux.py")
         gen.add_argument("--gcpo", required=True, help="GCPO's train_grpo_flux_pickscore.py")
         gen.add_argument("--out", default=str(OUT))
+    side3 = sub.add_parser("_side_hpsv3", help=argparse.SUPPRESS)
+    side3.add_argument("--out", default=str(OUT))
     args = parser.parse_args(argv)
     if args.command == "venv":
         make_venv(args.venv)
+        if args.hpsv3_venv:
+            make_hpsv3_venv(args.hpsv3_venv)
     elif args.command == "generate":
         env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
+        out = str(Path(args.out).resolve())
         cmd = [str(args.venv / "bin" / "python"), str(Path(__file__).resolve()), "_side",
                "--flow-grpo", str(Path(args.flow_grpo).resolve()),
                "--dance-grpo", str(Path(args.dance_grpo).resolve()),
-               "--gcpo", str(Path(args.gcpo).resolve()), "--out", str(Path(args.out).resolve())]
+               "--gcpo", str(Path(args.gcpo).resolve()), "--out", out]
         print("+", " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True, env=env, cwd="/")
+        if args.hpsv3_venv:
+            cmd = [str(args.hpsv3_venv / "bin" / "python"), str(Path(__file__).resolve()),
+                   "_side_hpsv3", "--out", out]
+            print("+", " ".join(cmd), flush=True)
+            subprocess.run(cmd, check=True, env=env, cwd="/")
+    elif args.command == "_side_hpsv3":
+        side_hpsv3(Path(args.out))
     else:
         side_generate(args)
 
