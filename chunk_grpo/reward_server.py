@@ -52,7 +52,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, HTTPServer
-from pathlib import Path
 
 import torch
 
@@ -66,7 +65,7 @@ from chunk_grpo.cli_args import (
 from chunk_grpo.reward_spec import RewardSpecError
 from chunk_grpo.rewards.mix import RewardMix, build_reward
 from chunk_grpo.rewards.outputs import RewardError
-from chunk_grpo.rewards.remote import decode_score_request
+from chunk_grpo.rewards.remote import decode_score_request, read_token_file
 
 
 @dataclass
@@ -394,18 +393,6 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def read_token(path: str) -> str:
-    """The first line of a token file, or ValueError naming the problem."""
-    try:
-        lines = Path(path).read_text().strip().splitlines()
-    except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"--token-file {path}: {getattr(err, 'strerror', None) or err}") \
-            from None
-    if not lines or not lines[0].strip():
-        raise ValueError(f"--token-file {path} is empty: write the token on its first line")
-    return lines[0].strip()
-
-
 def port_number(text: str) -> int:
     """argparse type: a TCP port, 0-65535 (0: a free one)."""
     port = nonnegative_int(text)
@@ -438,7 +425,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--verbose", action="store_true", help="log every request")
     args = p.parse_args(argv)
     try:
-        token = read_token(args.token_file) if args.token_file else None
+        token = (read_token_file(args.token_file, f"--token-file {args.token_file}")
+                 if args.token_file else None)
         limits = Limits(max_body=int(args.max_body_mb * (1 << 20)),
                         read_timeout=args.read_timeout, score_timeout=args.score_timeout,
                         token=token)

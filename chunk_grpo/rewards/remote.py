@@ -20,6 +20,7 @@ import json
 import math
 import os
 import struct
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -36,6 +37,18 @@ _BUSY_MEANING = {502: "a proxy could not reach it", 503: "it is busy (its --thre
 TOKEN_ENV, TOKEN_FILE_ENV = "CHUNK_GRPO_REWARD_TOKEN", "CHUNK_GRPO_REWARD_TOKEN_FILE"
 
 
+def read_token_file(path: str, what: str) -> str:
+    """The first line of a bearer-token file; ValueError naming ``what`` (the flag or variable
+    that gave ``path``) when it cannot be read or is empty."""
+    try:
+        lines = Path(path).read_text().strip().splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"{what}: {getattr(err, 'strerror', None) or err}") from None
+    if not lines or not lines[0].strip():
+        raise ValueError(f"{what} is empty: write the token on its first line")
+    return lines[0].strip()
+
+
 def client_token() -> str | None:
     """The reward server's bearer token from the environment (None: send none)."""
     token = os.environ.get(TOKEN_ENV, "").strip()
@@ -45,14 +58,9 @@ def client_token() -> str | None:
     if not path:
         return None
     try:
-        lines = open(path).read().strip().splitlines()  # noqa: SIM115 (read at once)
-    except (OSError, UnicodeDecodeError) as err:
-        raise RewardSpecError(f"{TOKEN_FILE_ENV}={path}: {getattr(err, 'strerror', None) or err}"
-                              ) from None
-    if not lines or not lines[0].strip():
-        raise RewardSpecError(f"{TOKEN_FILE_ENV}={path} is empty: write the token on its first "
-                              "line")
-    return lines[0].strip()
+        return read_token_file(path, f"{TOKEN_FILE_ENV}={path}")
+    except ValueError as err:
+        raise RewardSpecError(str(err)) from None
 
 
 def encode_score_request(images: torch.Tensor, prompts: list[str]) -> bytes:
