@@ -15,13 +15,12 @@ Each directory is written under a temporary name and moved into place when compl
 
 from __future__ import annotations
 
-import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
-from chunk_grpo.policy_setup import export_pipeline, merged_transformer, uses_lora
+from chunk_grpo.policy_setup import export_pipeline, merged_transformer, publish_dir, uses_lora
 from chunk_grpo.quantize import quantization_of
 from chunk_grpo.specs import EXPORT_FORMATS, export_formats
 
@@ -56,7 +55,7 @@ def write_exports(pipeline, transformer: torch.nn.Module, targets: Mapping[str, 
             written["merged"] = export_pipeline(pipeline, plain, targets["merged"],
                                                 defaults=defaults, copy_weights=False)
         if "transformer" in targets:
-            written["transformer"] = _publish(targets["transformer"], plain.save_pretrained)
+            written["transformer"] = publish_dir(targets["transformer"], plain.save_pretrained)
     return {fmt: written[fmt] for fmt in EXPORT_FORMATS if fmt in written}
 
 
@@ -83,17 +82,4 @@ def save_lora(pipeline_class, transformer: torch.nn.Module, out_dir: str | Path,
                                          transformer_lora_adapter_metadata=config.to_dict(),
                                          weight_name=LORA_FILE)
 
-    return _publish(out_dir, write)
-
-
-def _publish(out_dir: str | Path, write: Callable[[Path], object]) -> Path:
-    """``write(tmp)`` into a temporary sibling of ``out_dir``, then moved into its place."""
-    out_dir = Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    write(tmp)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.replace(out_dir)
-    return out_dir
+    return publish_dir(out_dir, write)

@@ -8,6 +8,7 @@ import copy
 import importlib.util
 import shutil
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -171,21 +172,31 @@ def export_pipeline(pipeline, transformer: torch.nn.Module, out_dir: str | Path,
     ``defaults`` (the model's SamplingDefaults) is saved with it, so evaluation samples the
     exported model exactly as the base. Written to a temporary directory, then moved into place.
     """
+    plain = merged_transformer(transformer, copy_weights).eval()
+    if dtype is not None and quantization_of(transformer) == "none":
+        plain = plain.to(dtype)
+
+    def write(tmp: Path) -> None:
+        original = pipeline.transformer
+        pipeline.transformer = plain
+        try:
+            pipeline.save_pretrained(tmp)
+        finally:
+            pipeline.transformer = original
+        if defaults is not None:
+            defaults.save(tmp)
+
+    return publish_dir(out_dir, write)
+
+
+def publish_dir(out_dir: str | Path, write: Callable[[Path], object]) -> Path:
+    """``write(tmp)`` into a temporary sibling of ``out_dir``, then moved into its place: a
+    kill leaves either the previous directory or the complete new one."""
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    plain = merged_transformer(transformer, copy_weights).eval()
-    if dtype is not None and quantization_of(transformer) == "none":
-        plain = plain.to(dtype)
-    original = pipeline.transformer
-    pipeline.transformer = plain
-    try:
-        pipeline.save_pretrained(tmp)
-    finally:
-        pipeline.transformer = original
-    if defaults is not None:
-        defaults.save(tmp)
+    write(tmp)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     tmp.replace(out_dir)
