@@ -104,16 +104,21 @@ def test_the_timeout_reaches_the_process_group_and_bad_values_are_one_line(monke
         assert "\n" not in str(err.value)
 
 
-def test_tf32_is_set_only_on_cuda_and_follows_the_key(monkeypatch):
+def test_tf32_is_set_only_on_cuda_and_follows_the_key():
     matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
-    monkeypatch.setattr(matmul, "allow_tf32", False)  # restored after the test
-    monkeypatch.setattr(cudnn, "allow_tf32", False)
-    assert not D.set_tf32(True, torch.device("cpu"))
-    assert not matmul.allow_tf32 and not cudnn.allow_tf32  # a CPU run changes nothing
-    assert D.set_tf32(True, torch.device("cuda", 0))
-    assert matmul.allow_tf32 and cudnn.allow_tf32
-    assert D.set_tf32(False, torch.device("cuda", 0))
-    assert not matmul.allow_tf32 and not cudnn.allow_tf32
+    # saved and restored by hand: torch 2.14 serves matmul.allow_tf32 through a property that
+    # pytest's monkeypatch cannot undo
+    saved = matmul.allow_tf32, cudnn.allow_tf32
+    try:
+        matmul.allow_tf32 = cudnn.allow_tf32 = False
+        assert not D.set_tf32(True, torch.device("cpu"))
+        assert not matmul.allow_tf32 and not cudnn.allow_tf32  # a CPU run changes nothing
+        assert D.set_tf32(True, torch.device("cuda", 0))
+        assert matmul.allow_tf32 and cudnn.allow_tf32
+        assert D.set_tf32(False, torch.device("cuda", 0))
+        assert not matmul.allow_tf32 and not cudnn.allow_tf32
+    finally:
+        matmul.allow_tf32, cudnn.allow_tf32 = saved
     assert build_config().model.tf32 is True
     assert build_config(None, {"model.tf32": "false"}).model.tf32 is False
 
