@@ -165,6 +165,12 @@ class EvalConfig:
     images: int = 32  # held-out images per periodic evaluation
     final_images: int = 256  # held-out images of the final evaluation (the run's summary)
     hybrid_steps: int = 8  # >0: also evaluate hybrid inference, this many policy steps
+    # a second reward scored beside the trained one (rollouts, evaluations, summary): a reward
+    # spec as --reward takes it; auto = the shapes checks on shapes: prompts; none = off
+    guard_reward: str = "auto"
+    # stop when a periodic evaluation's paired guard change lies below -guard_stop with its
+    # whole 95% CI (0 = never stop)
+    guard_stop: float = 0.0
 
 
 @dataclass

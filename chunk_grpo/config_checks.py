@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from chunk_grpo.errors import ConfigError
-from chunk_grpo.reward_spec import RewardSpecError, parse_reward_spec
+from chunk_grpo.reward_spec import RewardSpecError, parse_reward_spec, resolve_guard_spec
 from chunk_grpo.sampling_options import DECODE_TARGETS, SDE_KINDS, check_antithetic
 from chunk_grpo.specs import (
     ChunkSpecError,
@@ -57,7 +57,7 @@ _AT_LEAST_ZERO = ("run.max_steps", "optim.grad_accum", "optim.warmup_steps", "ev
 _POSITIVE = ("optim.lr", "optim.max_grad_norm", "optim.eps", "loss.adv_eps", "sampling.shift",
              "model.lora_alpha")  # or None where allowed
 _NON_NEGATIVE = ("optim.weight_decay", "loss.kl_coef", "sampling.cfg_scale", "model.guidance",
-                 "reward.timeout")
+                 "reward.timeout", "eval.guard_stop")
 
 
 def check_config(cfg: TrainConfig, name: Callable[[str], str]) -> None:
@@ -121,7 +121,42 @@ def check_config(cfg: TrainConfig, name: Callable[[str], str]) -> None:
                           f"ranks wait for each other), got {cfg.parallel.timeout_minutes}; "
                           "e.g. 60")
     _check_specs(cfg, name)
+    _check_guard(cfg, name)
     _check_quantization(cfg, name)
+
+
+def _check_guard(cfg: TrainConfig, name: Callable[[str], str]) -> None:
+    """The guard reward parses, and an early stop on it can happen: a guard to watch, periodic
+    evaluations, the base model to compare with, and images enough for a confidence interval."""
+    key, stop = name("eval.guard_reward"), name("eval.guard_stop")
+    guard = cfg.eval.guard_reward
+    if guard.strip().lower() not in ("auto", "none"):
+        try:
+            parse_reward_spec(guard)
+        except RewardSpecError as err:
+            raise ConfigError(f"{key}: {err} (or auto, or none for no guard)") from None
+    threshold = cfg.eval.guard_stop
+    if threshold <= 0:
+        return
+    spec = resolve_guard_spec(guard, reward=cfg.reward.name, eval_prompts=cfg.data.eval_prompts)
+    if spec is None:
+        why = ("none" if guard.strip().lower() == "none" else
+               "auto, which finds no guard here (it is the shapes checks on shapes: evaluation "
+               "prompts when the trained reward is not shapes)")
+        raise ConfigError(f"{stop} {threshold:g} has no guard to watch: {key} is {why}; name "
+                          f"one (e.g. {key}: shapes) or set {stop}: 0")
+    if cfg.eval.every == 0:
+        raise ConfigError(f"{stop} {threshold:g} is checked at the periodic evaluations, and "
+                          f"{name('eval.every')}: 0 runs none; set {name('eval.every')} >= 1 "
+                          f"or {stop}: 0")
+    if cfg.eval.hybrid_steps == 0:
+        raise ConfigError(f"{stop} {threshold:g} compares the guard with the base model's on the "
+                          f"same images, and {name('eval.hybrid_steps')}: 0 loads no base; set "
+                          f"{name('eval.hybrid_steps')} >= 1 (e.g. 8) or {stop}: 0")
+    if cfg.eval.images < 2:
+        raise ConfigError(f"{stop} {threshold:g} needs a confidence interval of the guard's "
+                          f"change: set {name('eval.images')} >= 2 (e.g. 32), got "
+                          f"{cfg.eval.images}")
 
 
 def _check_quantization(cfg: TrainConfig, name: Callable[[str], str]) -> None:

@@ -117,16 +117,37 @@ def propose_chunks(curve: torch.Tensor, max_size: int = 5,
     return segment_by_dynamics(curve[:w], max_size=max_size)
 
 
+CHUNK_TINTS = ((226, 236, 250), (250, 236, 222))  # alternating chunk bands
+UNTRAINED_TINT = (238, 238, 238)
+
+
+def profile_marks(layout: ChunkLayout, num_steps: int
+                  ) -> tuple[list[float], list[tuple[float, float, str, tuple[int, int, int]]]]:
+    """(boundaries, bands) of a chunk layout on a profile of ``num_steps`` transitions: a
+    boundary after every chunk (the last one ends the trained steps, when steps follow it), a
+    band per chunk, and a grey band over the transitions that are not trained."""
+    trained = layout.num_trained
+    bounds = [start + size - 0.5 for start, size in zip(layout.starts, layout.sizes, strict=True)
+              if start + size < num_steps]
+    bands = [(start - 0.5, start + size - 0.5, f"chunk {j}", CHUNK_TINTS[j % 2])
+             for j, (start, size) in enumerate(zip(layout.starts, layout.sizes, strict=True))]
+    if trained < num_steps:
+        bands.append((trained - 0.5, num_steps - 0.5, "not trained", UNTRAINED_TINT))
+    return bounds, bands
+
+
 def plot_profile(curve: torch.Tensor, layout: ChunkLayout, path: str | Path) -> Path:
-    """The curve per step with the chunk boundaries as red vertical lines (PNG)."""
+    """The curve per step with the run's chunks as bands, their boundaries as red vertical
+    lines, and the untrained steps in grey (PNG)."""
     steps = list(range(curve.numel()))
+    bounds, bands = profile_marks(layout, curve.numel())
+    last = layout.num_trained - 1
     return line_plot({"L1rel": (steps, curve.tolist())}, path,
                      title=f"temporal dynamics: L1rel(t) per sampling step; chunks "
-                           f"{list(layout.sizes)}",
+                           f"{list(layout.sizes)} over steps 0-{last} of {curve.numel()}",
                      xlabel="sampling step t (0 = highest noise)",
                      ylabel="L1rel(t) = mean|x(t+1) - x(t)| / mean|x(t)|",
-                     vlines=[start - 0.5 for start in layout.starts[1:]],
-                     vline_label="chunk boundary")
+                     vlines=bounds, vline_label="chunk boundary", spans=bands)
 
 
 def save_profile(curve: torch.Tensor, layout: ChunkLayout, out_dir: str | Path) -> None:

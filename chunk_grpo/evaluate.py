@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> EvalResult:
         hybrid_steps=args.hybrid_steps,
         progress=not args.quiet,
         # On shapes prompts, the shapes world's checks beside whatever reward scores.
-        fidelity=get_reward("shapes") if args.prompts.startswith("shapes:") else None,
+        guard=get_reward("shapes") if args.prompts.startswith("shapes:") else None,
     )
     settings = {k: v for k, v in vars(args).items()
                 if k not in ("out", "steps", "compare", "quiet", "verbose", "height", "width")}

@@ -2,7 +2,7 @@
 
 `evaluate_policy` is what `python -m chunk_grpo.evaluate` (the CLI, which also writes the
 outputs) and the trainer's periodic evaluation both run; `EvalResult` holds the images, the
-rewards, per-attribute accuracies and best-of-k.
+rewards, a guard reward's scores of the same images, per-attribute accuracies and best-of-k.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ class EvalResult:
     attributes: dict[str, float] = field(default_factory=dict)  # e.g. colour_acc, exact
     sampling_seconds: float = math.nan  # wall time of generate()
     images_per_prompt: int = 1  # images are prompt-major: prompt i owns rows i*N .. i*N+N-1
+    guard_scores: torch.Tensor | None = None  # [n] float32: the guard reward's, if one was given
 
     def best_of(self) -> dict[int, tuple[float, float]]:
         """k -> (mean over prompts of the expected best of k images, its 95% CI half-width),
@@ -69,7 +70,7 @@ def evaluate_policy(
     hybrid_base=None,
     hybrid_steps: int = 0,
     progress: bool = False,
-    fidelity: Reward | None = None,
+    guard: Reward | None = None,
 ) -> EvalResult:
     """Sample `images_per_prompt` images per prompt with `chunk_grpo.rollout.generate` and score
     them. num_steps/shift default to the model's sampling defaults; the same seed gives the same
@@ -77,9 +78,11 @@ def evaluate_policy(
     image ``index_offset`` + i, so ranks that each evaluate a slice of a prompt list, with the
     slice's first global image index, sample between them the images one process would.
 
-    Attributes (per-attribute accuracies) come from the reward's own `details` when it has them,
-    else from ``fidelity`` (e.g. the shapes reward's GenEval-like checks beside a learned reward,
-    with its score as ``fidelity_score``): they tell prompt fidelity kept from reward hacking."""
+    ``guard``: a second reward scored on the same images (per image in ``guard_scores``), e.g.
+    the shapes reward's GenEval-like checks beside a learned reward: it tells prompt fidelity
+    kept from reward hacking. Attributes (per-attribute accuracies) come from the reward's own
+    `details` when it has them; the guard's `details` (its checks, and its mean score as
+    ``fidelity_score``) join them unless they are the reward's own."""
     if isinstance(prompts, str) or not prompts:
         raise ValueError("prompts must be a non-empty list of strings")
     if images_per_prompt < 1:
@@ -102,16 +105,23 @@ def evaluate_policy(
     else:
         rewards = scorer(images, all_prompts)
         details = {}
-    if fidelity is not None and hasattr(fidelity, "details"):
-        checks = fidelity.details(images, all_prompts)
-        checks["fidelity_score"] = checks.pop("score")
-        if not set(checks) - {"fidelity_score"} <= set(details):  # not the trained reward's own
-            details.update(checks)
+    guard_scores = None
+    if guard is not None:
+        if hasattr(guard, "details"):
+            checks = guard.details(images, all_prompts)
+            guard_scores = checks.pop("score")
+            checks["fidelity_score"] = guard_scores
+            own = set(checks) - {"fidelity_score"}
+            if not own or not own <= set(details):  # not the trained reward's own checks
+                details.update(checks)
+        else:
+            guard_scores = guard(images, all_prompts)
+        guard_scores = torch.as_tensor(guard_scores).float().cpu()
     attributes = {key: _nan_mean(values) for key, values in details.items()}
     rewards = torch.as_tensor(rewards).float().cpu()
     mean, ci = mean_ci95(rewards)
     return EvalResult(mean, ci, len(all_prompts), rewards, all_prompts, images, attributes, seconds,
-                      images_per_prompt)
+                      images_per_prompt, guard_scores)
 
 
 def _nan_mean(values: torch.Tensor) -> float:

@@ -39,9 +39,12 @@ def _label(value: float) -> str:
 
 def line_plot(series: dict[str, tuple[Sequence[float], Sequence[float]]], path: str | Path, *,
               title: str, xlabel: str, ylabel: str, vlines: Sequence[float] = (),
-              vline_label: str = "", size: tuple[int, int] = (720, 420)) -> Path:
+              vline_label: str = "", size: tuple[int, int] = (720, 420),
+              spans: Sequence[tuple[float, float, str, tuple[int, int, int]]] = ()) -> Path:
     """Plot each ``name: (x, y)`` series as a line with markers; ``vlines`` are drawn as red
-    vertical lines (e.g. chunk boundaries). Non-finite points are skipped."""
+    vertical lines (e.g. chunk boundaries) and ``spans`` (x0, x1, label, RGB) as tinted bands
+    behind the data, labelled at the top where the label fits (e.g. the chunks). Non-finite
+    points are skipped."""
     if not series:
         raise ValueError("line_plot needs at least one series")
     font = ImageFont.load_default()
@@ -66,9 +69,17 @@ def line_plot(series: dict[str, tuple[Sequence[float], Sequence[float]]], path: 
         fy = (y - yticks[0]) / (yticks[-1] - yticks[0])
         return left + fx * (width - left - right), height - bottom - fy * (height - top - bottom)
 
-    # axes, grid and ticks
+    # bands, axes, grid and ticks
     x0, y0 = to_pixel(xticks[0], yticks[0])
     x1, y1 = to_pixel(xticks[-1], yticks[-1])
+    for start, end, text, fill in spans:
+        a = to_pixel(max(start, xticks[0]), yticks[0])[0]
+        b = to_pixel(min(end, xticks[-1]), yticks[0])[0]
+        if b <= a:
+            continue
+        draw.rectangle([(a, y1), (b, y0)], fill=fill)
+        if 6 * len(text) + 4 <= b - a:
+            draw.text(((a + b) / 2 - 3 * len(text), y1 + 3), text, fill=(90, 90, 90), font=font)
     for tick in xticks:
         px, _ = to_pixel(tick, yticks[0])
         draw.line([(px, y1), (px, y0)], fill=(235, 235, 235))

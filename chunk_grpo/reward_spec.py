@@ -113,3 +113,22 @@ def reward_label(name: str) -> str:
     than letters, digits, '_', '.' and '-' become '_' (``my_rewards:redness`` ->
     ``my_rewards_redness``)."""
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "reward"
+
+
+# The guard the shapes world gets by default: its programmatic GenEval-like checks.
+SHAPES_GUARD = "shapes"
+
+
+def resolve_guard_spec(guard: str, *, reward: str, eval_prompts: str) -> str | None:
+    """The spec of the guard reward a run scores beside the trained one (`eval.guard_reward`),
+    or None for no guard. "none" turns it off; "auto" is the shapes world's checks when the
+    evaluation prompts are a ``shapes:`` set and the trained reward is not those checks itself
+    (its own evaluation already reports them), else no guard; anything else is a reward spec,
+    as ``--reward`` takes it."""
+    word = guard.strip().lower()
+    if word == "none":
+        return None
+    if word == "auto":
+        shapes_world = eval_prompts.startswith("shapes:")
+        return SHAPES_GUARD if shapes_world and reward.strip() != SHAPES_GUARD else None
+    return guard.strip()

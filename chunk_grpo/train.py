@@ -14,6 +14,9 @@ One iteration, in the order it runs (`train_iteration`):
      micro-batch's chunks), and at every accumulation boundary the optimizer step: gradient
      sync, clipping, the step, the schedule and the EMA
   7. log; every N iterations evaluate on held-out prompts and checkpoint.
+A guard reward (`chunk_grpo.guard`, `eval.guard_reward`) is scored beside the trained one on
+step 3's images and at every evaluation; it trains nothing, and it stops the run early when it
+falls beyond `eval.guard_stop`.
 With ``algorithm: g2rpo`` step 2 branches each prompt's ODE trajectory at one step and finishes
 the branches at several strides (`chunk_grpo.branching`), step 4 sums the finishes' advantages,
 and step 5 trains that one step.
@@ -29,6 +32,7 @@ gradients are reduce-scattered every micro-batch (`chunk_grpo.sharded_load`,
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -61,6 +65,7 @@ from chunk_grpo.parallelize import any_rank, check_parallelism, clip_grad_norm, 
 from chunk_grpo.phase_memory import PhaseMemory, active_phase, current
 from chunk_grpo.policy_update import TrainUnit, UpdateRecord, accumulate_gradients, plan_units
 from chunk_grpo.precision import resolve_mixed_precision
+from chunk_grpo.progress import BAR_FORMAT, progress_postfix, training_progress
 from chunk_grpo.prompt_cache import setup_text_encoders
 from chunk_grpo.rewards.outputs import RewardError
 from chunk_grpo.rollout import Rollout, sample_rollouts
@@ -86,6 +91,7 @@ from chunk_grpo.trainer_setup import (
     check_prompt_sets,
     check_reward_name,
     read_prompt_sets,
+    resolve_guard,
     resolve_reward,
 )
 
@@ -174,6 +180,11 @@ def collect_batch(tr: Trainer, step: int, timer: _PhaseTimer | None = None, *,
     for stride, r in zip(strides[1:], gathered[1:], strict=True):
         metrics[f"reward_mean_stride{stride}"] = float(r.mean())
     metrics["time/reward_scoring"] = scorer.busy_seconds
+    if tr.guard is not None and tr.guard.on_rollouts:  # beside the reward; trains nothing
+        with timer("guard"):
+            guard_scores = tr.guard.score(rollout.images, row_prompts)
+        metrics.update(tr.guard.metrics({k: D.all_gather_cat(v.to(info.device), info).cpu()
+                                         for k, v in guard_scores.items()}))
     if not all(bool(torch.isfinite(r).all()) for r in
                [*gathered, *(v for c in gathered_parts for v in c.values())]):
         metrics.update(skipped=1, nonfinite="reward")
@@ -323,7 +334,8 @@ def _run(cfg: TrainConfig, info: D.DistInfo, prompt_sets: PromptSets, memory: Ph
         # The policy first (under FSDP straight into its shards), then the reward beside it.
         setup = build_policy(cfg, info)
         reward_fn = resolve_reward(cfg, info.device)
-    check_prompt_sets(prompt_sets, setup.policy, reward_fn)
+        guard = resolve_guard(cfg, info.device)
+    check_prompt_sets(prompt_sets, setup.policy, reward_fn, guard)
     # text_encoders: cache -> every prompt embedded once (on disk), the encoders freed
     with memory.phase("prompt_cache"):
         setup_text_encoders(setup.policy, cfg.model.text_encoders,
@@ -339,13 +351,21 @@ def _run(cfg: TrainConfig, info: D.DistInfo, prompt_sets: PromptSets, memory: Ph
         lock.acquire()  # a second run on this directory stops here, before writing anything
     try:
         started = _start_or_resume(cfg, run_dir, info, resume, prompt_sets, reward_fn, setup,
-                                   trust_checkpoint)
+                                   trust_checkpoint, guard)
         if started is None:  # a finished run, nothing asked of it: nothing changes
             return run_dir
         tr, start, bad_streak = started
         if info.is_main:
+            budget = (f" or {cfg.run.max_minutes:g} min of training, whichever comes first"
+                      if cfg.run.max_minutes > 0 else "")
             print(f"[chunk-grpo] run dir {run_dir}; chunks {list(tr.layout.sizes)}; "
-                  f"steps {start}..{cfg.run.max_steps}", flush=True)
+                  f"steps {start}..{cfg.run.max_steps}{budget}", flush=True)
+            if tr.guard is not None:
+                where = "rollouts and evaluations" if tr.guard.on_rollouts else "evaluations"
+                stop = (f"; stops if it falls by more than {cfg.eval.guard_stop:g}"
+                        if cfg.eval.guard_stop > 0 else "")
+                print(f"[chunk-grpo] guard {tr.guard.spec} scored on the {where}{stop}",
+                      flush=True)
             precision = resolve_mixed_precision(cfg.model.mixed_precision, info.device)
             print(f"[chunk-grpo] mixed precision: {precision.mode} ({precision.reason})",
                   flush=True)
@@ -364,7 +384,8 @@ def _run(cfg: TrainConfig, info: D.DistInfo, prompt_sets: PromptSets, memory: Ph
 
 def _start_or_resume(cfg: TrainConfig, run_dir: Path, info: D.DistInfo, resume: bool,
                      prompt_sets: PromptSets, reward_fn, setup: PolicySetup,
-                     trust_checkpoint: bool = False) -> tuple[Trainer, int, int] | None:
+                     trust_checkpoint: bool = False, guard=None
+                     ) -> tuple[Trainer, int, int] | None:
     """The trainer, fresh or restored from the newest intact checkpoint (either format, saved
     at any world size); (trainer, first step, bad streak), or None for a finished run that is
     left as it is."""
@@ -386,7 +407,7 @@ def _start_or_resume(cfg: TrainConfig, run_dir: Path, info: D.DistInfo, resume: 
     tr = build_trainer(cfg, run_dir, info, prompt_sets=prompt_sets,
                        layout=ChunkLayout(saved.layout) if saved else None,
                        chunk_weights=saved.chunk_weights if saved else None,
-                       reward_fn=reward_fn, setup=setup)
+                       reward_fn=reward_fn, setup=setup, guard=guard)
     if saved is None:
         return tr, 0, 0
     restore_run(tr, saved)
@@ -438,46 +459,72 @@ def _make_run_dir(run_dir: Path) -> None:
 def _train_loop(tr: Trainer, start: int, bad_streak: int, on_step_end) -> None:
     """Iterations ``start`` .. max_steps: train, evaluate, log, checkpoint; export at the end."""
     cfg, info, run_dir = tr.cfg, tr.info, tr.run_dir
+    rc = cfg.run
     t_start = time.time()
-    bar = tqdm(range(start, cfg.run.max_steps), initial=start, total=cfg.run.max_steps,
-               disable=not (cfg.run.progress and info.is_main), desc="chunk-grpo")
+    # The bar counts to the step the run is expected to stop at: max_steps, or sooner when the
+    # time budget binds first (`chunk_grpo.progress`), with the training time left as its ETA.
+    progress = training_progress(start=start, step=start, max_steps=rc.max_steps,
+                                 max_minutes=rc.max_minutes, elapsed=0.0)
+    bar = tqdm(total=progress.total, initial=start, desc="chunk-grpo", bar_format=BAR_FORMAT,
+               disable=not (rc.progress and info.is_main))
+    bar.set_postfix_str(progress_postfix(progress, max_steps=rc.max_steps,
+                                         max_minutes=rc.max_minutes))
     last = start
-    for step in bar:
+    for step in range(start, rc.max_steps):
         try:
             metrics, finite = train_iteration(tr, step)
             last = step + 1
             _count_steps(tr.counts, metrics)
+            _count_chunks(tr.chunk_counts, metrics)
             bad_streak = 0 if finite else bad_streak + 1
-            done = step + 1 == cfg.run.max_steps or (
-                cfg.run.max_minutes > 0 and time.time() - t_start > 60 * cfg.run.max_minutes)
+            out_of_time = rc.max_minutes > 0 and time.time() - t_start > 60 * rc.max_minutes
+            done = step + 1 == rc.max_steps or out_of_time
+            if out_of_time and step + 1 < rc.max_steps:
+                tr.stop_reason = (f"the time budget ran out (run.max_minutes {rc.max_minutes:g}) "
+                                  f"after {step + 1} of run.max_steps {rc.max_steps}")
             if (cfg.eval.every and (step + 1) % cfg.eval.every == 0) or done:
                 t = time.perf_counter()
                 with active_phase("eval"):
                     metrics.update(evaluate(tr, step + 1, final=done))
+                    if not done and tr.stop_reason is not None:  # the guard fell: stop here
+                        done = True
+                        if info.is_main:
+                            tqdm.write(f"[chunk-grpo] stopping early: {tr.stop_reason}; the "
+                                       "final evaluation, summary and export follow")
+                        metrics.update(evaluate(tr, step + 1, final=True))
                 metrics["time/eval"] = time.perf_counter() - t
         except RewardError as err:  # one line on the command line, naming what is kept
             raise type(err)(f"{err}; the run stopped at step {step + 1}, "
                             f"{_kept_checkpoint(run_dir)}") from err
-        if (step + 1) % cfg.run.log_every == 0 or done or not finite:
+        if (step + 1) % rc.log_every == 0 or done or not finite:
             tr.logger.log(step + 1, {**metrics, **(current().metrics() if current() else {})})
-        bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}")
-        if bad_streak >= cfg.run.max_bad_steps:
+        progress = training_progress(start=start, step=step + 1, max_steps=rc.max_steps,
+                                     max_minutes=rc.max_minutes, elapsed=time.time() - t_start)
+        if done:  # whatever ended it: the bar full, nothing left
+            progress = dataclasses.replace(progress, total=step + 1, eta_seconds=0.0)
+        bar.total = progress.total
+        bar.set_postfix_str(progress_postfix(progress, max_steps=rc.max_steps,
+                                             max_minutes=rc.max_minutes,
+                                             reward=metrics["reward_mean"]), refresh=False)
+        bar.update(1)
+        if bad_streak >= rc.max_bad_steps:
             raise TrainingDiverged(
                 f"{bad_streak} iterations in a row had NaN/Inf rewards, losses or gradients "
                 f"(last at step {step + 1}); stopping, {_kept_checkpoint(run_dir)}; lower lr "
                 f"or clip ranges, or check the reward.")
-        if finite and ((cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0)
+        if finite and ((rc.checkpoint_every and (step + 1) % rc.checkpoint_every == 0)
                        or done):
             _checkpoint(tr, step + 1, bad_streak)
         if on_step_end is not None:
             on_step_end(step + 1, metrics)
         if done:
             break
+    bar.close()
     _check_trained(tr, last)
     # the summary, then the exports (every rank: a sharded model is gathered for rank 0)
     text = finish_run(tr, last, last - start, (time.time() - t_start) / 60)
     save_phase_memory(tr)
-    if info.is_main and cfg.run.progress:
+    if info.is_main and rc.progress:
         print(text, flush=True)
 
 
@@ -488,6 +535,15 @@ def _count_steps(counts: dict[str, int], metrics: dict) -> None:
     else:
         counts["optimizer_steps"] += int(metrics["optimizer_steps"])
         counts["skipped_steps"] += int(metrics["skipped"])
+
+
+def _count_chunks(counts: list[int], metrics: dict) -> None:
+    """Add the chunks an iteration trained (none when its rewards were NaN/Inf) to the run's
+    count per chunk."""
+    trained = metrics.get("chunks_trained")
+    if trained:
+        for j in trained.split(","):
+            counts[int(j)] += 1
 
 
 def _check_trained(tr: Trainer, step: int) -> None:

@@ -33,7 +33,12 @@ from chunk_grpo.sharded_checkpoint import (
     save_sharded_checkpoint,
     select_checkpoint,
 )
-from chunk_grpo.trainer_setup import Trainer, checkpoint_state, restore_state
+from chunk_grpo.trainer_setup import (
+    Trainer,
+    checkpoint_state,
+    restore_chunk_counts,
+    restore_state,
+)
 
 
 class NonFiniteWeights(RuntimeError):
@@ -45,7 +50,7 @@ def _run_state(tr: Trainer, bad_streak: int) -> dict:
     return {"scheduler": tr.scheduler.state_dict(), "bad_streak": bad_streak,
             "chunk_layout": list(tr.layout.sizes), "chunk_weights": tr.chunk_weights,
             "config": tr.cfg.to_dict(), "ema_decay": tr.ema.decay if tr.ema else None,
-            "counts": dict(tr.counts)}
+            "counts": dict(tr.counts), "chunk_counts": list(tr.chunk_counts)}
 
 
 def _ema_tensors(tr: Trainer) -> dict[str, torch.Tensor] | None:
@@ -146,9 +151,10 @@ APPLIED_ON_RESUME = (
     "loss.kl_coef", "loss.kl_ref", "optim.max_grad_norm", "optim.micro_batch_size",
     "optim.ppo_epochs", "parallel.mode", "parallel.cpu_offload", "parallel.reduce_dtype",
     "parallel.timeout_minutes", "eval.every", "eval.images", "eval.final_images",
-    "eval.hybrid_steps", "run.device", "run.max_minutes", "run.log_every",
-    "run.image_grid_every", "run.checkpoint_every", "run.keep_checkpoints", "run.max_bad_steps",
-    "run.progress", "run.export", "run.report_to", "run.name")
+    "eval.hybrid_steps", "eval.guard_reward", "eval.guard_stop", "run.device",
+    "run.max_minutes", "run.log_every", "run.image_grid_every", "run.checkpoint_every",
+    "run.keep_checkpoints", "run.max_bad_steps", "run.progress", "run.export", "run.report_to",
+    "run.name")
 
 
 def apply_resume_changes(tr: Trainer, resume: Resume) -> str | None:
@@ -200,6 +206,7 @@ def restore_run(tr: Trainer, resume: Resume) -> None:
                                 restore_rng=True, verified=True)
         tr.scheduler.load_state_dict(resume.state["scheduler"])
         tr.counts.update(resume.state.get("counts", {}))
+        restore_chunk_counts(tr, resume.state)
         return
     if is_sharded(tr.module):
         raise CheckpointError(f"{resume.path} was written by one process; resume it on one "

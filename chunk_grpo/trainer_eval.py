@@ -24,14 +24,17 @@ from chunk_grpo import distributed as D
 from chunk_grpo.checkpoint import DiskFullError, latest_checkpoint
 from chunk_grpo.evaluation import EvalResult, evaluate_policy
 from chunk_grpo.export import export_targets, write_exports
+from chunk_grpo.guard import stop_reason
 from chunk_grpo.metrics import reward_captions
 from chunk_grpo.parallelize import is_sharded
 from chunk_grpo.phase_memory import active_phase
 from chunk_grpo.sharded_checkpoint import export_full_model
 from chunk_grpo.stats import mean_ci95
 from chunk_grpo.summary import (
+    ChunkReport,
     Comparison,
     before_after_pairs,
+    paired_gain,
     save_summary,
     summary_numbers,
     summary_text,
@@ -44,16 +47,20 @@ GRID_IMAGES = 32  # evaluation images kept for grids (the rest are dropped after
 
 def evaluate(tr: Trainer, step: int, final: bool = False) -> dict:
     """Held-out reward with 95% CI (ODE sampling with the model's default steps and shift, EMA
-    weights if any), and hybrid inference; with a fidelity reward (the shapes checks on shapes
-    prompts) its per-attribute accuracies too. With the base model at hand, also the paired gain
-    over it: the same images (prompts and initial noise) sampled by the base, once per image
-    count. ``final``: `final_eval_images` images, kept in ``tr.final_evals`` for the summary."""
+    weights if any), and hybrid inference; with a guard (`chunk_grpo.guard`; the shapes checks
+    on shapes prompts by default) its score of the same images and its per-attribute accuracies
+    too. With the base model at hand, also the paired gains over it (the reward's and the
+    guard's): the same images (prompts and initial noise) sampled by the base, once per image
+    count. ``final``: `final_eval_images` images, kept in ``tr.final_evals`` for the summary.
+    A periodic evaluation whose guard fell beyond `eval.guard_stop` sets ``tr.stop_reason``."""
     cfg, out = tr.cfg, {}
     count = eval_image_count(cfg.eval.final_images if final else cfg.eval.images,
                              tr.info.world_size)
     prompts = [tr.eval_prompts[i % len(tr.eval_prompts)] for i in range(count)]
-    settings = dict(reward=tr.reward_fn, fidelity=tr.fidelity_fn, seed=cfg.run.seed + 1,
-                    cfg_scale=tr.cfg_scale, batch_size=cfg.sampling.batch_size)
+    guard = tr.guard
+    settings = dict(reward=tr.reward_fn, guard=guard.reward if guard else None,
+                    seed=cfg.run.seed + 1, cfg_scale=tr.cfg_scale,
+                    batch_size=cfg.sampling.batch_size)
     if tr.base_policy is not None and count not in tr.base_evals:
         base = evaluate_split(tr.info, tr.base_policy, prompts, **settings)
         tr.base_evals[count] = dataclasses.replace(base, images=base.images[:GRID_IMAGES])
@@ -72,8 +79,10 @@ def evaluate(tr: Trainer, step: int, final: bool = False) -> dict:
             out[f"{name}/reward_ci95"] = res.reward_ci95
             out.update({f"{name}/{key}": value for key, value in res.attributes.items()})
             if base_eval is not None:
-                gain, gain_ci = mean_ci95(res.rewards - base_eval.rewards)
+                gain, gain_ci, _ = paired_gain(base_eval.rewards, res.rewards)
                 out[f"{name}/gain_vs_base"], out[f"{name}/gain_ci95"] = gain, gain_ci
+            if guard is not None:
+                out.update(_guard_metrics(tr, name, res, base_eval, step, final))
             if final:
                 tr.final_evals[name] = dataclasses.replace(res, images=res.images[:GRID_IMAGES])
             tr.logger.image_grid(step, name, res.images[:GRID_IMAGES],
@@ -82,6 +91,23 @@ def evaluate(tr: Trainer, step: int, final: bool = False) -> dict:
     finally:
         if tr.ema is not None:
             tr.ema.swap()
+    return out
+
+
+def _guard_metrics(tr: Trainer, name: str, res: EvalResult, base: EvalResult | None,
+                   step: int, final: bool) -> dict:
+    """The guard's numbers of one evaluation (``eval/guard/<name>_mean``, ``_ci95``, and
+    against the base ``_gain_vs_base``, ``_gain_ci95``); at a periodic evaluation of the
+    trained model alone, the early-stop rule (`chunk_grpo.guard.stop_reason`)."""
+    key = f"{name}/guard/{tr.guard.name}"
+    out = dict(zip((f"{key}_mean", f"{key}_ci95"), mean_ci95(res.guard_scores), strict=True))
+    if base is None:
+        return out
+    gain, gain_ci, _ = paired_gain(base.guard_scores, res.guard_scores)
+    out[f"{key}_gain_vs_base"], out[f"{key}_gain_ci95"] = gain, gain_ci
+    if name == "eval" and not final:
+        reason = stop_reason(tr.guard.name, gain, gain_ci, res.n, tr.cfg.eval.guard_stop, step)
+        tr.stop_reason = reason or tr.stop_reason
     return out
 
 
@@ -102,6 +128,9 @@ def evaluate_split(info: D.DistInfo, policy, prompts: list[str], **settings) -> 
     start = info.rank * per
     part = evaluate_policy(policy, prompts[start:start + per], index_offset=start, **settings)
     rewards = D.all_gather_cat(part.rewards.to(info.device), info).cpu()
+    guard = None
+    if part.guard_scores is not None:
+        guard = D.all_gather_cat(part.guard_scores.to(info.device), info).cpu()
     shares = [None] * info.world_size
     dist.all_gather_object(shares, (part.attributes, part.sampling_seconds,
                                     part.images[:max(0, GRID_IMAGES - start)]))
@@ -110,7 +139,7 @@ def evaluate_split(info: D.DistInfo, policy, prompts: list[str], **settings) -> 
     mean, ci = mean_ci95(rewards)
     return EvalResult(mean, ci, len(prompts), rewards, list(prompts),
                       torch.cat([images for _, _, images in shares]), attributes,
-                      max(seconds for _, seconds, _ in shares), part.images_per_prompt)
+                      max(seconds for _, seconds, _ in shares), part.images_per_prompt, guard)
 
 
 FINISHED = "finished.json"
@@ -188,20 +217,38 @@ def finish_summary(tr: Trainer, step: int, iterations: int, minutes: float,
     """The run's closing screen (before -> after on the final evaluation; ``exports``: where
     the model is written; ``updates``: the run's step counts), saved in the run directory with
     a before/after grid, and sent to the logging backends."""
-    base = tr.base_evals.get(tr.cfg.eval.final_images)
+    base = tr.base_evals.get(eval_image_count(tr.cfg.eval.final_images, tr.info.world_size))
+    guard = tr.guard.name if tr.guard is not None else None
     comparisons = [] if base is None else [
-        Comparison.of(name, base, res) for name, res in tr.final_evals.items()]
+        Comparison.of(name, base, res, guard=guard) for name, res in tr.final_evals.items()]
+    chunks = chunk_report(tr, step)
     text = summary_text(run_dir=tr.run_dir, reward=tr.cfg.reward.name, comparisons=comparisons,
                         iterations=iterations, minutes=minutes,
                         hybrid_steps=tr.cfg.eval.hybrid_steps, model_dir=exports.get("merged"),
-                        exports=exports, updates=updates)
-    save_summary(tr.run_dir, text, comparisons)
+                        exports=exports, updates=updates, chunks=chunks,
+                        stopped=tr.stop_reason)
+    save_summary(tr.run_dir, text, comparisons, chunks, tr.stop_reason)
     if base is not None and "eval" in tr.final_evals:
         images, captions = before_after_pairs(base, tr.final_evals["eval"])
         tr.logger.image_grid(step, "before_after", images, captions,
                              filename="before_after.png")
-    tr.logger.summary(text, summary_numbers(comparisons))
+    tr.logger.summary(text, summary_numbers(comparisons, chunks))
     return text
+
+
+def chunk_report(tr: Trainer, step: int) -> ChunkReport:
+    """Which chunks the run trained, how they were drawn and how often (over all ``step``
+    iterations, resumes included: the counts are kept in the checkpoints)."""
+    cfg, layout = tr.cfg, tr.layout
+    if cfg.sampling.algorithm == "g2rpo":  # one branch step per iteration
+        per_iteration = 1
+    else:
+        per_iteration = max(1, min(layout.num_chunks,
+                                   round(cfg.chunks.fraction * layout.num_chunks)))
+    return ChunkReport(sizes=list(layout.sizes), trained=list(tr.chunk_counts), iterations=step,
+                       per_iteration=per_iteration,
+                       weighted=cfg.chunks.weighted,
+                       sampling_steps=cfg.sampling.steps)
 
 
 def export_final(tr: Trainer) -> dict[str, Path]:

@@ -20,6 +20,7 @@ from chunk_grpo import distributed as D
 from chunk_grpo.chunking import ChunkLayout, parse_chunk_spec
 from chunk_grpo.config import ConfigError, TrainConfig
 from chunk_grpo.dynamics import propose_chunks, save_profile, shared_dynamics
+from chunk_grpo.guard import Guard
 from chunk_grpo.hybrid_base import FrozenTransformerBase, hybrid_base
 from chunk_grpo.metrics import MetricsLogger
 from chunk_grpo.models import EMBEDDED_MODEL, FluxPolicy
@@ -42,7 +43,8 @@ from chunk_grpo.precision import resolve_mixed_precision
 from chunk_grpo.prompt_cache import text_encoder_device
 from chunk_grpo.prompts import PromptSet, check_prompts, load_prompt_set
 from chunk_grpo.quantize import quantize_base
-from chunk_grpo.rewards import build_reward, get_reward
+from chunk_grpo.reward_spec import resolve_guard_spec
+from chunk_grpo.rewards import build_reward
 from chunk_grpo.rewards.mix import RewardMix, as_reward_mix, check_reward_spec
 from chunk_grpo.rewards.outputs import RewardError
 from chunk_grpo.sampling_options import resolve_cfg_scale
@@ -88,11 +90,13 @@ class Trainer:
     chunk_weights: torch.Tensor | None
     logger: MetricsLogger
     base_policy: object = None  # the base for hybrid evaluation (`chunk_grpo.hybrid_base`)
-    fidelity_fn: object = None  # a reward with `details` reported beside the trained one
+    guard: Guard | None = None  # a reward scored beside the trained one (`chunk_grpo.guard`)
     base_evals: dict = field(default_factory=dict)  # image count -> the base's EvalResult
     final_evals: dict = field(default_factory=dict)  # "eval"/"eval_hybrid" -> final EvalResult
     warned_constant: set[str] = field(default_factory=set)  # rewards warned of as constant
     counts: dict[str, int] = field(default_factory=lambda: dict(STEP_COUNTS))  # whole run
+    chunk_counts: list[int] = field(default_factory=list)  # per chunk: iterations that trained it
+    stop_reason: str | None = None  # why the run stops before max_steps (the guard, the time)
 
     @property
     def shift(self) -> float:
@@ -127,11 +131,13 @@ def read_prompt_sets(cfg: TrainConfig) -> PromptSets:
     return PromptSets(train=sets["train_prompts"], eval=sets["eval_prompts"])
 
 
-def check_prompt_sets(prompt_sets: PromptSets, policy: FluxPolicy, reward_fn: RewardMix) -> None:
+def check_prompt_sets(prompt_sets: PromptSets, policy: FluxPolicy, reward_fn: RewardMix,
+                      guard: Guard | None = None) -> None:
     """Run both prompt sets through the tokenizers and the reward before the run directory
     exists (a prompt they cannot take fails now, not at the final evaluation), then call the
     rewards once on a probe batch (2 images of the model's size, the first training prompts):
-    a reward that fails or returns the wrong thing stops here, in one line."""
+    a reward that fails or returns the wrong thing stops here, in one line. The guard, if any,
+    is checked and probed alike (`check_guard`)."""
     for key, prompt_set in prompt_sets.items():
         try:
             notes = check_prompts(prompt_set, policy, reward_fn)
@@ -140,29 +146,74 @@ def check_prompt_sets(prompt_sets: PromptSets, policy: FluxPolicy, reward_fn: Re
         for note in notes:
             print(f"[chunk-grpo] {key}: {note}", flush=True)
     probe_reward(reward_fn, policy.height, policy.width, prompt_sets.train.prompts)
+    if guard is not None:
+        check_guard(guard, prompt_sets, policy)
+
+
+def check_guard(guard: Guard, prompt_sets: PromptSets, policy: FluxPolicy) -> None:
+    """The guard must score the evaluation prompts (a ConfigError otherwise) and, to be scored
+    on the rollouts, the training prompts: a guard named in eval.guard_reward that cannot is a
+    ConfigError, the `auto` one is then left to the evaluations (one line says so). Then one
+    probe call, as for the reward."""
+    checks = [("eval_prompts", prompt_sets.eval), ("train_prompts", prompt_sets.train)]
+    for key, prompt_set in checks:
+        try:
+            check_prompts(prompt_set, None, guard.reward)
+        except ConfigError as err:
+            msg = f"eval.guard_reward {guard.spec!r} cannot score {key}: {err}"
+            if key == "train_prompts" and guard.auto:
+                guard.on_rollouts = False
+                print(f"[chunk-grpo] {msg}; it is scored at the evaluations only", flush=True)
+                continue
+            raise ConfigError(f"{msg}; choose another eval.guard_reward, or none") from None
+    probe = prompt_sets.train.prompts if guard.on_rollouts else prompt_sets.eval.prompts
+    probe_reward(guard.reward, policy.height, policy.width, probe)
 
 
 def check_reward_name(cfg: TrainConfig) -> None:
-    """A ConfigError now, before any model loads, when the configured reward (or a part of a
-    mix) names no reward; the reward itself is built after the policy (`resolve_reward`)."""
+    """A ConfigError now, before any model loads, when the configured reward or guard (or a
+    part of a mix) names no reward; they are built after the policy (`resolve_reward`)."""
     try:
         check_reward_spec(cfg.reward.name)
     except ValueError as err:
         raise ConfigError(f"reward: {err}") from err
+    spec = guard_spec(cfg)
+    if spec is not None:
+        try:
+            check_reward_spec(spec)
+        except ValueError as err:
+            raise ConfigError(f"eval.guard_reward: {err}") from err
 
 
-def resolve_reward(cfg: TrainConfig, device: torch.device | None = None) -> RewardMix:
-    """The configured reward (or mix) on ``reward_device`` (default: ``device``, the trainer's),
-    in bf16 on CUDA and fp32 elsewhere; or a ConfigError that says how to name one."""
+def resolve_reward(cfg: TrainConfig, device: torch.device | None = None,
+                   spec: str | None = None, key: str = "reward") -> RewardMix:
+    """The configured reward (or mix; ``spec``: another one, named ``key`` in the messages) on
+    ``reward_device`` (default: ``device``, the trainer's), in bf16 on CUDA and fp32
+    elsewhere; or a ConfigError that says how to name one."""
     where = torch.device(cfg.reward.device or device or "cpu")
     dtype = torch.bfloat16 if where.type == "cuda" else torch.float32
     try:
-        return build_reward(cfg.reward.name, device=where, dtype=dtype,
-                            batch_size=cfg.reward.batch_size)
+        return build_reward(cfg.reward.name if spec is None else spec, device=where,
+                            dtype=dtype, batch_size=cfg.reward.batch_size)
     except RewardError:
         raise
     except ValueError as err:
-        raise ConfigError(f"reward: {err}") from err
+        raise ConfigError(f"{key}: {err}") from err
+
+
+def guard_spec(cfg: TrainConfig) -> str | None:
+    """The run's guard reward spec (`eval.guard_reward` resolved), or None for no guard."""
+    return resolve_guard_spec(cfg.eval.guard_reward, reward=cfg.reward.name,
+                              eval_prompts=cfg.data.eval_prompts)
+
+
+def resolve_guard(cfg: TrainConfig, device: torch.device | None = None) -> Guard | None:
+    """The run's guard (`chunk_grpo.guard`), built where the reward is, or None."""
+    spec = guard_spec(cfg)
+    if spec is None:
+        return None
+    return Guard(spec, resolve_reward(cfg, device, spec, key="eval.guard_reward"),
+                 auto=cfg.eval.guard_reward.strip().lower() == "auto")
 
 
 def sampling_shift(cfg: TrainConfig, policy: FluxPolicy) -> float:
@@ -321,15 +372,16 @@ def optimizer_steps_per_iter(cfg: TrainConfig) -> int:
 def build_trainer(cfg: TrainConfig, run_dir: Path, info: D.DistInfo, *,
                   prompt_sets: PromptSets | None = None, layout: ChunkLayout | None = None,
                   chunk_weights: torch.Tensor | None = None, reward_fn=None,
-                  setup: PolicySetup | None = None) -> Trainer:
-    """Everything an iteration needs; the prompts, policy (`build_policy`) and reward are read
-    or built from the config unless given, in that order (the reward after the policy is
-    sharded), and the layout (with its chunk weights) measured unless given, on the
+                  setup: PolicySetup | None = None, guard: Guard | None = None) -> Trainer:
+    """Everything an iteration needs; the prompts, policy (`build_policy`), reward and guard
+    are read or built from the config unless given, in that order (the rewards after the
+    policy is sharded), and the layout (with its chunk weights) measured unless given, on the
     parallelized policy (every rank takes part)."""
     prompt_sets = read_prompt_sets(cfg) if prompt_sets is None else prompt_sets
     setup = build_policy(cfg, info) if setup is None else setup
     reward_fn = resolve_reward(cfg, info.device) if reward_fn is None else as_reward_mix(
         reward_fn, cfg.reward.name)
+    guard = resolve_guard(cfg, info.device) if guard is None else guard
     policy, module = setup.policy, setup.module
     # The sharded parameters, collected before any forward: after a no-grad forward FSDP2
     # leaves the root's own parameters unsharded (plain tensors) until the next backward.
@@ -347,9 +399,6 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, info: D.DistInfo, *,
     ema = None
     if cfg.optim.ema_decay > 0:
         ema = EMA(named, cfg.optim.ema_decay)
-    # On shapes prompts, the shapes world's checks say whether a learned reward's gain kept
-    # prompt fidelity (colour, shape, count, position) or came from reward hacking.
-    fidelity = get_reward("shapes") if cfg.data.eval_prompts.startswith("shapes:") else None
     return Trainer(cfg=cfg, info=info, run_dir=run_dir, policy=policy, module=module,
                    params=params,
                    optimizer=optimizer, scheduler=scheduler, ema=ema, reward_fn=reward_fn,
@@ -359,8 +408,8 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, info: D.DistInfo, *,
                    logger=MetricsLogger(run_dir, enabled=info.is_main,
                                         report_to=cfg.run.report_to, name=cfg.run.name,
                                         project=cfg.run.wandb_project, config=cfg.to_dict()),
-                   base_policy=setup.base,
-                   fidelity_fn=fidelity)
+                   base_policy=setup.base, guard=guard,
+                   chunk_counts=[0] * layout.num_chunks)
 
 
 def _fsdp_options(cfg: TrainConfig, info: D.DistInfo) -> dict:
@@ -406,6 +455,7 @@ def checkpoint_state(tr: Trainer, bad_streak: int) -> dict:
         "chunk_weights": tr.chunk_weights,
         "config": tr.cfg.to_dict(),
         "counts": dict(tr.counts),
+        "chunk_counts": list(tr.chunk_counts),
     }
 
 
@@ -417,3 +467,11 @@ def restore_state(tr: Trainer, state: dict) -> None:
     if tr.ema is not None and state.get("ema") is not None:
         tr.ema.load_state_dict(state["ema"])
     tr.counts.update(state.get("counts", {}))
+    restore_chunk_counts(tr, state)
+
+
+def restore_chunk_counts(tr: Trainer, state: dict) -> None:
+    """The per-chunk training counts of a checkpoint (zeros for one saved without them)."""
+    saved = state.get("chunk_counts")
+    if saved is not None and len(saved) == tr.layout.num_chunks:
+        tr.chunk_counts = [int(n) for n in saved]

@@ -183,19 +183,27 @@ def test_fidelity_checks_are_reported_beside_a_reward_without_details(policy):
         return images.mean(dim=(1, 2, 3))
 
     shapes = get_reward("shapes")
-    res = evaluate_policy(policy, PROMPTS, reward=brightness, fidelity=shapes, num_steps=2,
+    res = evaluate_policy(policy, PROMPTS, reward=brightness, guard=shapes, num_steps=2,
                           seed=3)
     expected = shapes.details(res.images, res.prompts)
     torch.testing.assert_close(res.rewards, brightness(res.images, res.prompts))
     assert res.attributes["fidelity_score"] == pytest.approx(float(expected["score"].mean()))
     assert res.attributes["colour_acc"] == pytest.approx(float(expected["colour_acc"].mean()))
+    torch.testing.assert_close(res.guard_scores, expected["score"])  # per image, for pairing
     plain = evaluate_policy(policy, PROMPTS, reward=brightness, num_steps=2, seed=3)
-    assert plain.attributes == {}
+    assert plain.attributes == {} and plain.guard_scores is None
     # A configured reward is a RewardMix, which has `details` of its own: the checks join them.
     mixed = evaluate_policy(policy, PROMPTS, reward=build_reward("jpeg_compressibility"),
-                            fidelity=shapes, num_steps=2, seed=3)
+                            guard=shapes, num_steps=2, seed=3)
     assert mixed.attributes["colour_acc"] == pytest.approx(float(expected["colour_acc"].mean()))
     # The shapes reward itself already reports its checks: nothing is added.
-    own = evaluate_policy(policy, PROMPTS, reward=build_reward("shapes"), fidelity=shapes,
+    own = evaluate_policy(policy, PROMPTS, reward=build_reward("shapes"), guard=shapes,
                           num_steps=2, seed=3)
     assert "fidelity_score" not in own.attributes and "colour_acc" in own.attributes
+    torch.testing.assert_close(own.guard_scores, own.rewards)
+    # A guard without checks of its own (a mix of one plain reward): its scores, as the
+    # fidelity score too.
+    plain_guard = evaluate_policy(policy, PROMPTS, reward=brightness, num_steps=2, seed=3,
+                                  guard=build_reward("jpeg_compressibility"))
+    assert plain_guard.attributes["fidelity_score"] == pytest.approx(
+        float(plain_guard.guard_scores.mean()))

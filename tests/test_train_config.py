@@ -257,7 +257,8 @@ OLD_FLAT_AS_NESTED = {
                   eps=1e-6, max_grad_norm=0.5, warmup_steps=3, schedule="cosine",
                   micro_batch_size=2, grad_accum=4, ppo_epochs=2, ema_decay=0.9),
     "parallel": dict(mode="fsdp", cpu_offload=True, reduce_dtype="bf16", timeout_minutes=60.0),
-    "eval": dict(every=5, images=8, final_images=16, hybrid_steps=2),
+    "eval": dict(every=5, images=8, final_images=16, hybrid_steps=2, guard_reward="auto",
+                 guard_stop=0.0),
     "run": dict(output_dir="runs/old", seed=7, device="cpu", max_steps=9, max_minutes=0.0,
                 log_every=2, image_grid_every=0, checkpoint_every=3, keep_checkpoints=1,
                 max_bad_steps=2, progress=False, export=["auto"],
@@ -276,7 +277,8 @@ def test_an_old_flat_config_loads_into_the_sections(tmp_path):
     # one dotted path per alias; the settings added since have none
     assert len(set(FLAT_ALIASES.values())) == len(FLAT_ALIASES)
     assert sorted(set(PATHS) - set(FLAT_ALIASES.values())) == [
-        "model.base_quantization", "model.tf32", "parallel.timeout_minutes", "run.export",
+        "eval.guard_reward", "eval.guard_stop", "model.base_quantization", "model.tf32",
+        "parallel.timeout_minutes", "run.export",
         "run.name", "run.report_to", "run.wandb_project"]
     nested = tmp_path / "nested.yaml"
     nested.write_text(yaml.safe_dump(OLD_FLAT_AS_NESTED))
@@ -414,3 +416,44 @@ def test_the_config_module_imports_no_torch():
     assert result.stdout.strip() == "[]"
 
 
+
+
+@pytest.mark.parametrize(("overrides", "match"), [
+    ({"eval.guard_reward": "clip=x"}, r"^eval.guard_reward: reward entry 'clip=x': the weight "
+                                      r".* \(or auto, or none for no guard\)$"),
+    ({"eval.guard_reward": ""}, r"^eval.guard_reward: reward is empty"),
+    ({"eval.guard_stop": -0.1}, r"^eval.guard_stop must be >= 0, got -0.1$"),
+    ({"eval.guard_stop": "nan"}, r"^eval.guard_stop must be a finite number"),
+    ({"eval.guard_stop": 0.05, "eval.guard_reward": "none"},
+     r"^eval.guard_stop 0.05 has no guard to watch: eval.guard_reward is none; name one"),
+    ({"eval.guard_stop": 0.05, "reward": "shapes"},
+     r"^eval.guard_stop 0.05 has no guard to watch: eval.guard_reward is auto, which finds"),
+    ({"eval.guard_stop": 0.05, "eval_prompts": "prompts.txt"}, r"has no guard to watch"),
+    ({"eval.guard_stop": 0.05, "eval.every": 0},
+     r"^eval.guard_stop 0.05 is checked at the periodic evaluations, and eval.every: 0 runs "
+     r"none; set eval.every >= 1 or eval.guard_stop: 0$"),
+    ({"eval.guard_stop": 0.05, "eval_hybrid_steps": 0},
+     r"^eval.guard_stop 0.05 compares the guard with the base model's .* and "
+     r"eval_hybrid_steps: 0 loads no base; set eval_hybrid_steps >= 1"),
+    ({"eval.guard_stop": 0.05, "eval.images": 1}, r"^eval.guard_stop 0.05 needs a confidence "
+                                                  r"interval .*set eval.images >= 2"),
+])
+def test_bad_guard_settings_are_one_line_errors(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        build_config(None, overrides)
+
+
+def test_the_guard_spec_resolves_auto_and_none():
+    from chunk_grpo.reward_spec import resolve_guard_spec
+
+    def guard(spec, reward="jpeg_compressibility", eval_prompts="shapes:heldout"):
+        return resolve_guard_spec(spec, reward=reward, eval_prompts=eval_prompts)
+
+    assert guard("auto") == "shapes" and guard(" Auto ") == "shapes"
+    assert guard("auto", reward="shapes") is None  # its own evaluation reports the checks
+    assert guard("auto", eval_prompts="my_prompts.txt") is None
+    assert guard("none") is None and guard("NONE") is None
+    assert guard("shapes-clip", reward="shapes") == "shapes-clip"
+    assert guard("pickscore=1.0,clip=0.5") == "pickscore=1.0,clip=0.5"
+    cfg = build_config(None, {"eval.guard_stop": 0.05, "eval.guard_reward": "shapes"})
+    assert (cfg.eval.guard_stop, cfg.eval.guard_reward) == (0.05, "shapes")

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from trainer_utils import tiny_config, tiny_model_dir
+from trainer_utils import tiny_config, tiny_model_dir, without_times
 
 from chunk_grpo import evaluate as evaluate_cli
 from chunk_grpo.checkpoint import latest_checkpoint
@@ -58,20 +58,39 @@ def test_cli_two_steps_auto_chunks_and_export(tmp_path):
                 "approx_kl", "time/rollout", "time/reward", "time/train"):
         assert key in records[0], key
     assert any(k.startswith("chunk") and k.endswith("/ratio_mean") for k in records[0])
+    # the guard (auto: the shapes checks on shapes prompts) on every iteration's rollouts
+    assert all(0.0 <= r["guard/shapes_mean"] <= 1.0 and "time/guard" in r for r in records)
     assert "eval/reward_ci95" in records[-1] and "eval_hybrid/reward_mean" in records[-1]
     assert "eval/gain_vs_base" in records[-1] and "eval_hybrid/gain_ci95" in records[-1]
     assert list((out / "tensorboard").iterdir())
     assert (out / "images" / "rollout-000000.png").exists()
     # The closing summary: the final evaluation (6 images) paired against the base's.
     summary = json.loads((out / "summary.json").read_text())
-    assert set(summary) == {"eval", "eval_hybrid"} and summary["eval"]["n"] == 6
+    assert set(summary) == {"eval", "eval_hybrid", "chunks", "stopped"}
+    assert summary["eval"]["n"] == 6 and summary["stopped"] is None
     final = records[-1]
+    # the guard on the same images, paired, and the verdict of both gains
+    guard = summary["eval"]["guard"]
+    assert guard["name"] == "shapes" and guard["n"] == 6 and summary["eval"]["verdict"]
+    assert guard["gain"] == pytest.approx(final["eval/guard/shapes_gain_vs_base"], abs=1e-9)
+    assert guard["after"] == pytest.approx(final["eval/guard/shapes_mean"], abs=1e-9)
+    assert guard["after"] == pytest.approx(summary["eval"]["attributes_after"]["fidelity_score"])
+    # chunk_fraction 0.5: half the chunks each iteration, counted per chunk
+    chunks = summary["chunks"]
+    assert chunks["sizes"] == profile["chunks"] and chunks["weighted"] is True
+    assert chunks["iterations"] == 2 and chunks["per_iteration"] == max(
+        1, round(0.5 * len(profile["chunks"])))
+    assert sum(chunks["trained"]) == 2 * chunks["per_iteration"]
+    assert chunks["trained"] == [sum(str(j) in r["chunks_trained"].split(",") for r in records)
+                                 for j in range(len(profile["chunks"]))]
     assert summary["eval"]["gain"] == pytest.approx(final["eval/gain_vs_base"], abs=1e-9)
     assert summary["eval"]["after"] == pytest.approx(final["eval/reward_mean"], abs=1e-9)
     text = (out / "summary.txt").read_text()
     assert "paired gain" in text and str(out / "final_model") in text and "--resume" in text
     # Held-out shapes prompts: the shapes checks stand beside the trained (brightness) reward.
     assert "shapes checks: colour" in text and "colour_acc" in summary["eval"]["attributes_after"]
+    assert "guard     shapes before" in text and f"verdict   {summary['eval']['verdict']}" in text
+    assert "times trained over 2 iterations: " in text
     assert (out / "images" / "before_after.png").exists()
     state = torch.load(latest_checkpoint(out) / "state.pt", weights_only=False)
     assert state["chunk_layout"] == profile["chunks"]
@@ -203,3 +222,77 @@ def test_eval_gain_vs_base_is_exactly_zero_before_training(tmp_path):
     # fp32 rewards: the mean of differences and the difference of means agree to ~1e-8.
     assert moved["eval/gain_vs_base"] == pytest.approx(
         moved["eval/reward_mean"] - float(tr.base_evals[3].rewards.mean()), abs=1e-6)
+
+
+class FallingGuard:
+    """A guard that scores brightness, minus 0.5 once `falling` is set: whatever the model does,
+    the evaluations after that see it fall by 0.5 on every image against the base's cached
+    scores."""
+
+    falling = False
+
+    def __call__(self, images, prompts):
+        return images.float().mean(dim=(1, 2, 3)) - (0.5 if FallingGuard.falling else 0.0)
+
+
+try:
+    register_reward("test_falling_guard")(FallingGuard)
+except ValueError:
+    pass
+
+
+def test_a_guard_that_falls_beyond_eval_guard_stop_ends_the_run_cleanly(tmp_path, capsys):
+    FallingGuard.falling = False
+
+    def fall_after_step_1(step, metrics):
+        FallingGuard.falling = FallingGuard.falling or step == 1
+
+    # The base is evaluated at step 1 (before the fall) and cached; at step 2 the policy's guard
+    # is 0.5 below it on all 4 images: the CI (width 0) lies below -0.1, so the run stops.
+    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", max_steps=6, eval_every=1,
+                      eval_hybrid_steps=2, eval_images=4, final_eval_images=4,
+                      **{"eval.guard_reward": "test_falling_guard", "eval.guard_stop": 0.1})
+    try:
+        out = run(cfg, on_step_end=fall_after_step_1)
+    finally:
+        FallingGuard.falling = False
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2]
+    assert abs(records[0]["eval/guard/test_falling_guard_gain_vs_base"]) < 0.05  # no stop yet
+    assert records[1]["eval/guard/test_falling_guard_gain_vs_base"] == pytest.approx(-0.5,
+                                                                                    abs=0.05)
+    rollouts = [r["guard/test_falling_guard_mean"] for r in records]
+    assert rollouts[1] < rollouts[0] - 0.4  # the rollouts saw the fall too
+    printed = capsys.readouterr()
+    assert "[chunk-grpo] stopping early: guard test_falling_guard fell 0." in (
+        printed.out + printed.err)
+    # cleanly: a checkpoint at the stop, the final evaluation, the summary and the export
+    assert latest_checkpoint(out).name == "step-00000002"
+    assert json.loads((out / "finished.json").read_text()) == {
+        "step": 2, "summary": True, "final_model": True}
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped"].startswith("guard test_falling_guard fell 0.")
+    assert "eval.guard_stop" in summary["stopped"]
+    assert summary["eval"]["guard"]["gain"] == pytest.approx(-0.5, abs=0.05)
+    assert summary["eval"]["verdict"].split(": ")[0].endswith("test_falling_guard down")
+    text = (out / "summary.txt").read_text()
+    assert "stopped   guard test_falling_guard fell 0." in text
+    assert (out / "final_model" / "model_index.json").is_file()
+
+
+def test_the_guard_changes_nothing_the_run_trains(tmp_path):
+    """Scoring a guard (here the shapes checks) on the rollouts draws no random number the
+    training uses: every trained metric is the same, bit for bit, with the guard on or off."""
+    model = tiny_model_dir(tmp_path)
+    runs = {}
+    for guard in ("none", "shapes"):
+        out = run(tiny_config(model, tmp_path / guard, max_steps=3,
+                              **{"eval.guard_reward": guard}))
+        runs[guard] = read_metrics(out / "metrics.jsonl")
+    assert not any(k.startswith("guard/") for r in runs["none"] for k in r)
+    assert all("guard/shapes_mean" in r for r in runs["shapes"])
+    trained = [{k: v for k, v in r.items() if not k.startswith(("guard/", "eval/guard/"))
+                and k not in ("eval/fidelity_score", "eval/colour_acc", "eval/shape_acc",
+                              "eval/size_acc", "eval/count_acc", "eval/spatial_acc",
+                              "eval/exact")} for r in without_times(runs["shapes"])]
+    assert trained == without_times(runs["none"])

@@ -114,7 +114,8 @@ def test_resuming_a_finished_run_changes_nothing_unless_max_steps_is_raised(tmp_
     out = run(tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", **FINISHING))
     summary = (out / "summary.txt").read_text()
     assert "updates   2 optimizer steps, 0 skipped" in summary  # one per iteration
-    assert set(json.loads((out / "summary.json").read_text())) == {"eval", "eval_hybrid"}
+    assert set(json.loads((out / "summary.json").read_text())) == {
+        "eval", "eval_hybrid", "chunks", "stopped"}
     before = _files(out)
     capsys.readouterr()
     assert main(["--resume", str(out)]) == out
@@ -126,7 +127,13 @@ def test_resuming_a_finished_run_changes_nothing_unless_max_steps_is_raised(tmp_
     assert "is at step 2, beyond max_steps 1: nothing to train and nothing changed" in err[-1]
     assert _files(out) == before
     main(["--resume", str(out), "--max-steps", "3"])  # raised: trains on, a new summary
-    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3]
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    # the chunks trained are counted over the whole run, across the resume
+    chunks = json.loads((out / "summary.json").read_text())["chunks"]
+    assert chunks["iterations"] == 3 and chunks["trained"] == [
+        sum(r["chunks_trained"] == str(j) for r in records) for j in range(2)]
+    assert sum(chunks["trained"]) == 3  # chunks 2,2 at fraction 0.5: one per iteration
     assert json.loads((out / "finished.json").read_text()) == {
         "step": 3, "summary": True, "final_model": True}
 
