@@ -419,7 +419,8 @@ def coerce(path: str, value: Any, name: str | None = None) -> Any:
                 raise ValueError(value)
             return float(value)
         if typ is str:
-            if path == "reward.name" and isinstance(value, dict):  # {pickscore: 1.0, clip: 0.5}
+            if path in ("reward.name", "eval.guard_reward") and isinstance(value, dict):
+                # {pickscore: 1.0, clip: 0.5}
                 return format_reward_spec(parse_reward_spec(value))
             if isinstance(value, list):  # YAML `chunks: [2, 3, 4, 7]`
                 return ",".join(str(v) for v in value)

@@ -457,3 +457,5 @@ def test_the_guard_spec_resolves_auto_and_none():
     assert guard("pickscore=1.0,clip=0.5") == "pickscore=1.0,clip=0.5"
     cfg = build_config(None, {"eval.guard_stop": 0.05, "eval.guard_reward": "shapes"})
     assert (cfg.eval.guard_stop, cfg.eval.guard_reward) == (0.05, "shapes")
+    mix = build_config(None, {"eval": {"guard_reward": {"shapes": 1.0, "clip": 0.5}}})
+    assert mix.eval.guard_reward == "shapes=1.0,clip=0.5"

@@ -61,6 +61,8 @@ def _assert_same_run(ours: Path, reference: Path) -> None:
     assert [r["step"] for r in a] == [r["step"] for r in b]
     # Step 1 samples with the initial weights: the same images on 1 rank and 2.
     assert a[0]["reward_mean"] == pytest.approx(b[0]["reward_mean"], abs=1e-6)
+    # the guard (the shapes checks) of those images, gathered from the ranks
+    assert a[0]["guard/shapes_mean"] == pytest.approx(b[0]["guard/shapes_mean"], abs=1e-6)
     assert a[0]["grad_norm"] == pytest.approx(b[0]["grad_norm"], rel=1e-4)
     assert a[0]["optimizer_steps"] == b[0]["optimizer_steps"] == 1
     wa, wb = _weights(ours), _weights(reference)

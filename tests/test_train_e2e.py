@@ -296,3 +296,25 @@ def test_the_guard_changes_nothing_the_run_trains(tmp_path):
                               "eval/size_acc", "eval/count_acc", "eval/spatial_acc",
                               "eval/exact")} for r in without_times(runs["shapes"])]
     assert trained == without_times(runs["none"])
+
+
+def test_a_guard_that_cannot_score_the_training_prompts(tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a purple dog\na moon over a lake\n")
+    model = tiny_model_dir(tmp_path)
+    # named in eval.guard_reward: an error before the run directory exists
+    named = tiny_config(model, tmp_path / "named", train_prompts=str(prompts),
+                        **{"eval.guard_reward": "shapes"})
+    with pytest.raises(ConfigError, match=r"^eval.guard_reward 'shapes' cannot score "
+                                          r"train_prompts: .*'a purple dog'.*; choose another "
+                                          r"eval.guard_reward, or none$"):
+        run(named)
+    assert not (tmp_path / "named").exists()
+    # auto (the shapes checks for the shapes: evaluation prompts): scored at evaluations only
+    capsys.readouterr()
+    out = run(tiny_config(model, tmp_path / "auto", train_prompts=str(prompts), max_steps=1,
+                          eval_hybrid_steps=2))
+    assert "it is scored at the evaluations only" in capsys.readouterr().out
+    record = read_metrics(out / "metrics.jsonl")[0]
+    assert not any(k.startswith("guard/") for k in record) and "eval/guard/shapes_mean" in record
+    assert json.loads((out / "summary.json").read_text())["eval"]["guard"]["name"] == "shapes"
