@@ -82,10 +82,11 @@ from chunk_grpo.precision import resolve_mixed_precision
 GB = 1e9
 CUDA_CONTEXT_BYTES = 3 * 10**9  # CUDA context (~0.5-1 GB), cuBLAS/NCCL workspaces, allocator slack
 # A CPU run's process grows above its post-import baseline as it meets its calls, whatever the
-# model's size: the pages of torch's CPU kernels it executes, modules imported on first use, and
-# Python objects and small allocations. Measured on the FLUX-shaped QLoRA CPU run
+# model's size: the code pages of the kernels it executes, modules imported on first use, and
+# native allocations outside tensors. Measured on the FLUX-shaped QLoRA CPU run
 # (benchmarks/bench_plan_quantized.py): 0.02 GB after the load, 0.1 GB from the first training
-# step on (0.04 GB of library code, 0.06 GB anonymous). On CUDA this is host memory.
+# step on (0.04 GB of library code, mostly torch's CPU kernels; 0.01 GB of Python objects;
+# 0.05 GB of other native memory). On CUDA this is host memory, outside the GPU's bytes.
 CPU_RUNTIME_BYTES = 10**8
 ADAM8BIT_BYTES = 2 + 2 * 4 / 256  # two uint8 states, one fp32 scale per 256 values each
 LORA_LEVER_RANK = 64
