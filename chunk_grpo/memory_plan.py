@@ -744,7 +744,7 @@ def _phases(s: PlanSettings, sizes: ModelSizes) -> tuple[list[PlanRow], list[Pha
         # check masks one tensor at a time (1 B per value). torch.save writes a CPU tensor from
         # its own memory but copies a CUDA tensor to the host first, one at a time: the largest
         # trained tensor in fp32 (full fine-tuning: the transformer's largest weight; LoRA: an
-        # adapter's, a few MB).
+        # adapter's, 0.8 MB for FLUX.1-dev at r=64).
         largest = _largest_trained_tensor(s.model, s.lora_rank, s.lora_targets)
         out.append(phase("checkpoint", [*held, ("trained weights cloned", 4 * trainable),
                                         ("EMA cloned", ema), ("NaN/Inf check mask", largest)],
