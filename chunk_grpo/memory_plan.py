@@ -24,7 +24,9 @@ them trained):
 - text encoders and VAE in ``weights_dtype``; the reward models in bf16 on CUDA;
 - activations of one call (a training micro-batch: its trained steps x micro-batch rows, forward
   and backward; a no-grad sampling batch and the VAE decode of it), measured with FakeTensor;
-- a fixed allowance for the CUDA context, cuBLAS/NCCL workspaces and allocator slack.
+- a fixed allowance for the CUDA context, cuBLAS/NCCL workspaces and allocator slack; on a CPU
+  run, for what the process grows by above its post-import memory from the first iteration on
+  (kernel code, lazily imported modules, small objects).
 
 The phases, in the order a run meets them: load (the policy built on meta, sharded, and each
 rank filling its shards from the checkpoint, its rows of one tensor at a time; then the hybrid
@@ -67,6 +69,7 @@ from chunk_grpo.plan_models import (
     build_transformer,
     build_vae,
     count_parameters,
+    largest_lora_tensor,
     largest_tensor,
     lora_parameter_count,
     resolve_model_configs,
@@ -78,6 +81,13 @@ from chunk_grpo.precision import resolve_mixed_precision
 
 GB = 1e9
 CUDA_CONTEXT_BYTES = 3 * 10**9  # CUDA context (~0.5-1 GB), cuBLAS/NCCL workspaces, allocator slack
+# A CPU run's process grows above its post-import baseline as it meets its calls, whatever the
+# model's size: the code pages of the kernels it executes, modules imported on first use, and
+# native allocations outside tensors. Measured on the FLUX-shaped QLoRA CPU run
+# (benchmarks/bench_plan_quantized.py): 0.02 GB after the load, 0.1 GB from the first training
+# step on (0.04 GB of library code, mostly torch's CPU kernels; 0.01 GB of Python objects;
+# 0.05 GB of other native memory). On CUDA this is host memory, outside the GPU's bytes.
+CPU_RUNTIME_BYTES = 10**8
 ADAM8BIT_BYTES = 2 + 2 * 4 / 256  # two uint8 states, one fp32 scale per 256 values each
 LORA_LEVER_RANK = 64
 PROMPT_CACHE_BATCH = 16  # prompts per text-encoder call (`prompt_cache.build_prompt_cache`)
@@ -390,6 +400,16 @@ def _lora_parameters(model: str, rank: int, targets: tuple[str, ...]) -> int:
 
 
 @functools.lru_cache(maxsize=8)
+def _largest_trained_tensor(model: str, rank: int, targets: tuple[str, ...]) -> int:
+    """Elements of the largest trained tensor: an adapter's under LoRA, else the
+    transformer's largest weight."""
+    if rank == 0:
+        return model_sizes(model).largest_tensor
+    transformer = build_transformer(model_sizes(model).configs.transformer)
+    return largest_lora_tensor(transformer, rank, list(targets))
+
+
+@functools.lru_cache(maxsize=8)
 def _reward_sizes(spec: str):
     return tuple(reward_parameter_counts(spec))
 
@@ -554,6 +574,9 @@ def _phases(s: PlanSettings, sizes: ModelSizes) -> tuple[list[PlanRow], list[Pha
     reward = part(f"reward model ({'bf16' if cuda else 'fp32'})", reward, reward_note)
     context = part("CUDA context, workspaces, allocator slack", CUDA_CONTEXT_BYTES if cuda else 0,
                    "fixed allowance" if cuda else "none on the CPU")
+    runtime = part("CPU runtime above the imports", 0 if cuda else CPU_RUNTIME_BYTES,
+                   "a CPU run's: on CUDA it is host memory" if cuda else
+                   "kernel code, lazy imports, small objects; from the first iteration on")
     tokens = image_tokens(s, sizes.configs)
     channels = sizes.configs.transformer["in_channels"]
     pixels = 3 * s.height * s.width * 4
@@ -614,7 +637,8 @@ def _phases(s: PlanSettings, sizes: ModelSizes) -> tuple[list[PlanRow], list[Pha
     # Everything held from the first optimizer step on.
     held = [("trainable weights", weights), ("frozen weights", frozen), ("hybrid base", base),
             ("text encoders", text), ("VAE", vae), ("reward model", reward),
-            ("CUDA context", context), ("optimizer state", optimizer), ("EMA", ema)]
+            ("CUDA context", context), ("optimizer state", optimizer), ("EMA", ema),
+            ("CPU runtime", runtime)]
     loaded = held[:7]
     offloaded = sum(host_rank.get(r.part, 0) for r in rows
                     if r.part.startswith(("trainable", "optimizer", "frozen", "gradients")))
@@ -629,7 +653,7 @@ def _phases(s: PlanSettings, sizes: ModelSizes) -> tuple[list[PlanRow], list[Pha
             (k, v) for k, v in host if v), per_rank, note)
 
     def note_of_rank(name: str) -> str:
-        return {"load": "one full tensor in flight", "checkpoint": "shards in flight",
+        return {"load": "one full tensor in flight", "checkpoint": "tensors in flight",
                 "export": "rank 0's gathered model"}.get(name, "offloaded / CPU parts")
 
     files = sizes.files
@@ -716,9 +740,17 @@ def _phases(s: PlanSettings, sizes: ModelSizes) -> tuple[list[PlanRow], list[Pha
         out[-1] = dataclasses.replace(out[-1], host_rank_bytes=out[-1].host_rank_bytes
                                       + sum(b for _, b in export_host))
     else:
-        out.append(phase("checkpoint", [*held, ("trained weights cloned", 4 * trainable)],
-                         rank_host=4 * sizes.largest_tensor,
-                         note="one file: the trained weights cloned, saved tensor by tensor"))
+        # `checkpoint_state` clones the trained weights and the EMA's averages; the NaN/Inf
+        # check masks one tensor at a time (1 B per value). torch.save writes a CPU tensor from
+        # its own memory but copies a CUDA tensor to the host first, one at a time: the largest
+        # trained tensor in fp32 (full fine-tuning: the transformer's largest weight; LoRA: an
+        # adapter's, 0.8 MB for FLUX.1-dev at r=64).
+        largest = _largest_trained_tensor(s.model, s.lora_rank, s.lora_targets)
+        out.append(phase("checkpoint", [*held, ("trained weights cloned", 4 * trainable),
+                                        ("EMA cloned", ema), ("NaN/Inf check mask", largest)],
+                         rank_host=4 * largest if cuda else 0,
+                         note="one file: the trained weights cloned, written tensor by tensor"
+                              + (" through the host" if cuda else "")))
         if quantized is not None:
             out.append(_quantized_export(s, sizes, quantized, held, phase,
                                          text_all if s.text_encoders == "cache" else 0))

@@ -135,6 +135,14 @@ def lora_parameter_count(transformer: nn.Module, rank: int, targets: list[str]) 
                for name, module in transformer.named_modules() if name in names)
 
 
+def largest_lora_tensor(transformer: nn.Module, rank: int, targets: list[str]) -> int:
+    """Elements of the largest tensor peft adds for LoRA of ``rank`` on ``targets``: A is
+    rank x in, B is out x rank. Raises ValueError when nothing matches."""
+    names = set(resolve_lora_targets(transformer, targets))
+    return max(rank * max(module.in_features, module.out_features)
+               for name, module in transformer.named_modules() if name in names)
+
+
 def lora_target_names(transformer: nn.Module, targets: list[str]) -> list[str]:
     """The Linear layers a LoRA on ``targets`` wraps (`policy_setup.resolve_lora_targets`)."""
     return resolve_lora_targets(transformer, targets)

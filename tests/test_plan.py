@@ -18,6 +18,7 @@ from peft import LoraConfig
 
 from chunk_grpo.config import build_config
 from chunk_grpo.memory_plan import (
+    CPU_RUNTIME_BYTES,
     GB,
     PHASES,
     PlanDoesNotFit,
@@ -44,6 +45,7 @@ from chunk_grpo.plan_models import (
     build_transformer,
     build_vae,
     count_parameters,
+    largest_lora_tensor,
     largest_tensor,
     lora_parameter_count,
     resolve_model_configs,
@@ -94,6 +96,8 @@ def test_lora_count_equals_peft_on_a_real_model():
     real.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=list(ATTENTION)))
     added = sum(p.numel() for p in real.parameters() if p.requires_grad)
     assert lora_parameter_count(build_transformer(TINY_FLUX), 4, list(ATTENTION)) == added
+    largest = max(p.numel() for p in real.parameters() if p.requires_grad)
+    assert largest_lora_tensor(build_transformer(TINY_FLUX), 4, list(ATTENTION)) == largest
     with pytest.raises(ValueError, match="neither a preset"):
         lora_parameter_count(build_transformer(TINY_FLUX), 4, ["no_such_module"])
 
@@ -367,3 +371,81 @@ def test_phase_memory_measures_a_known_allocation_on_the_cpu():
     with active_phase("outside"):  # no active recorder: nothing recorded
         pass
     assert "outside" not in memory.report()["phases"]
+
+
+# ----------------------------------------------------------------------------- checkpoint
+
+def _lora_trainer(ema_decay: float):
+    """What `checkpoint_state` reads of a trainer: a real tiny LoRA transformer after one
+    AdamW step, its schedule and EMA."""
+    from types import SimpleNamespace
+
+    from chunk_grpo.optim import EMA
+
+    real = build_transformer(TINY_FLUX, device="cpu").requires_grad_(False)
+    real.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=list(ATTENTION)))
+    named = [(n, p) for n, p in real.named_parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW([p for _, p in named])
+    sum(p.sum() for _, p in named).backward()
+    optimizer.step()
+    return SimpleNamespace(
+        policy=SimpleNamespace(transformer=real), optimizer=optimizer,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
+        ema=EMA(named, ema_decay) if ema_decay else None, layout=SimpleNamespace(sizes=(2, 2)),
+        chunk_weights=None, cfg=build_config(None, {}), counts={}), named
+
+
+@pytest.mark.parametrize("ema_decay", [0.0, 0.9])
+def test_a_single_file_checkpoint_copies_what_the_plan_counts(ema_decay):
+    """`checkpoint_state` copies the trained weights and the EMA's averages and nothing else
+    (the optimizer's state is referenced); the plan's checkpoint phase counts those copies,
+    the NaN/Inf mask of one tensor and, on CUDA only, torch.save's host copy of the largest
+    trained tensor (a CPU tensor is written from its own memory)."""
+    from chunk_grpo.trainer_setup import checkpoint_state
+
+    tr, named = _lora_trainer(ema_decay)
+    live = [*tr.policy.transformer.parameters(), *tr.policy.transformer.buffers(),
+            *[t for st in tr.optimizer.state.values() for t in st.values()
+              if isinstance(t, torch.Tensor)], *(tr.ema.shadow.values() if tr.ema else ())]
+    owned = {t.untyped_storage().data_ptr() for t in live}
+    state = checkpoint_state(tr, 0)
+    copies = {}
+
+    def walk(value):
+        if isinstance(value, torch.Tensor):
+            if value.untyped_storage().data_ptr() not in owned:
+                copies[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
+        elif isinstance(value, dict | list | tuple):
+            for v in value.values() if isinstance(value, dict) else value:
+                walk(v)
+
+    walk(state)
+    trained = sum(p.numel() for _, p in named)
+    assert sum(copies.values()) == 4 * trained * (2 if ema_decay else 1)
+
+    cfg = _embedded_cfg(lora_rank=8, ema_decay=ema_decay, parallelism="none")
+    rank = plan_for_config(cfg, 1, 80 * GB)
+    adapters = _row(rank, "trainable weights").gpu_bytes
+    largest = largest_lora_tensor(build_transformer(resolve_model_configs("embedded").transformer),
+                                  8, list(rank.settings.lora_targets))
+    for device in ("cuda", "cpu"):
+        checkpoint = plan_for_config(cfg, 1, 80 * GB, device=device).phase("checkpoint")
+        assert _part(checkpoint, "trained weights cloned") == adapters
+        assert _part(checkpoint, "EMA cloned") == (adapters if ema_decay else 0)
+        assert _part(checkpoint, "NaN/Inf check mask") == largest
+        assert checkpoint.host_rank_bytes == (4 * largest if device == "cuda" else 0)
+    full = plan_for_config(_embedded_cfg(lora_rank=0, parallelism="none"), 1, 80 * GB)
+    meta = build_transformer(resolve_model_configs("embedded").transformer)
+    assert full.phase("checkpoint").host_rank_bytes == 4 * largest_tensor(meta)
+
+
+def test_a_cpu_run_holds_its_runtime_from_the_first_iteration_on():
+    """The process's growth above its post-import memory (kernel code, lazy imports, small
+    objects) counts on a CPU run in the phases from the rollout on; never on a GPU."""
+    cfg = _embedded_cfg(parallelism="none")
+    cpu = plan_for_config(cfg, 1, 80 * GB, device="cpu")
+    for phase in cpu.phases:
+        before = phase.name in ("load", "prompt_cache", "profile")
+        assert _part(phase, "CPU runtime") == (0 if before else CPU_RUNTIME_BYTES), phase.name
+    cuda = plan_for_config(cfg, 1, 80 * GB, device="cuda")
+    assert all(_part(phase, "CPU runtime") == 0 for phase in cuda.phases)
