@@ -13,7 +13,6 @@ import math
 import numbers
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from grpo_kernels.step_params import StepParams, real_number
@@ -56,14 +55,17 @@ def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 
 def step_params_ok(sigma, sigma_next, eta, sigma_max, kind: str) -> bool:
-    """Every per-sample step parameter is valid (numpy [B] arrays; sigma_max NaN = not given)."""
-    ok = (sigma > 0) & (sigma <= 1) & (sigma_next >= 0) & (sigma_next < sigma)
-    ok &= (eta > 0) & np.isfinite(eta)
-    if kind == "flow":  # at sigma == 1, sigma_max must be given and in (0, 1)
-        ok &= (sigma < 1) | ((sigma_max > 0) & (sigma_max < 1))
-    if kind == "cps":  # sigma_next == 0 leaves no noise, hence no density
-        ok &= sigma_next > 0
-    return bool(ok.all())
+    """Every per-sample step parameter is valid ([B] sequences of floats; sigma_max NaN = not
+    given). Plain Python: a comparison with NaN is False, so NaN fails every range."""
+    for s, s_next, e, s_max in zip(sigma, sigma_next, eta, sigma_max, strict=True):
+        ok = 0 < s <= 1 and 0 <= s_next < s and e > 0 and math.isfinite(e)
+        if kind == "flow":  # at sigma == 1, sigma_max must be given and in (0, 1)
+            ok = ok and (s < 1 or 0 < s_max < 1)
+        if kind == "cps":  # sigma_next == 0 leaves no noise, hence no density
+            ok = ok and s_next > 0
+        if not ok:
+            return False
+    return True
 
 
 def _host_values(value) -> tuple[float, ...]:
@@ -83,8 +85,8 @@ def check_step_values(step: StepParams, kind: str, batch: int) -> None:
 def _check_step_values(kind: str, batch: int, *values: tuple[float, ...]) -> None:
     """Cached per distinct values: a rollout repeats a handful of steps, and a hit costs well
     under a microsecond. lru_cache never stores an exception, so bad values raise every time."""
-    arrays = [np.broadcast_to(np.asarray(v, dtype=np.float64), (batch,)) for v in values]
-    check_sde_args(kind, *arrays)
+    rows = [[float(x) for x in v] * (batch if len(v) == 1 else 1) for v in values]
+    check_sde_args(kind, *rows)
 
 
 def check_noise_finite(noise: torch.Tensor, logp: torch.Tensor) -> None:
@@ -135,28 +137,29 @@ def check_sde_kind(kind: str, reduction: str = "mean") -> None:
 
 
 def check_sde_args(kind: str, sigma, sigma_next, eta, sigma_max) -> None:
-    """Value checks on the per-sample step parameters (float64 numpy arrays [B])."""
+    """Value checks on the per-sample step parameters ([B] lists of floats)."""
     if step_params_ok(sigma, sigma_next, eta, sigma_max, kind):
         return  # the common path; the detailed messages follow on failure
-    if not ((sigma > 0) & (sigma <= 1)).all():
-        raise ValueError(f"sigma must lie in (0, 1], got {sigma.tolist()}")
-    if not ((sigma_next >= 0) & (sigma_next < sigma)).all():
+    rows = list(zip(sigma, sigma_next, eta, sigma_max, strict=True))
+    if not all(0 < s <= 1 for s, _, _, _ in rows):
+        raise ValueError(f"sigma must lie in (0, 1], got {list(sigma)}")
+    if not all(0 <= n < s for s, n, _, _ in rows):
         raise ValueError(
             f"sigma_next must satisfy 0 <= sigma_next < sigma (the step goes towards the data), "
-            f"got sigma={sigma.tolist()}, sigma_next={sigma_next.tolist()}"
+            f"got sigma={list(sigma)}, sigma_next={list(sigma_next)}"
         )
-    if not ((eta > 0) & np.isfinite(eta)).all():
+    if not all(e > 0 and math.isfinite(e) for _, _, e, _ in rows):
         raise ValueError(
-            f"eta must be a finite number > 0 for a stochastic step, got {eta.tolist()}; "
+            f"eta must be a finite number > 0 for a stochastic step, got {list(eta)}; "
             "use ode_step for eta = 0"
         )
     if kind == "flow":
-        if np.isnan(sigma_max[sigma == 1]).any():
+        if any(s == 1 and math.isnan(m) for s, _, _, m in rows):
             raise ValueError(
                 "sigma_max is required for kind='flow' when sigma == 1: pass the schedule's s_1 "
                 "(sigmas[1]), which replaces sigma in the std's denominator"
             )
-        raise ValueError(f"sigma_max must lie in (0, 1), got {sigma_max.tolist()}")
+        raise ValueError(f"sigma_max must lie in (0, 1), got {list(sigma_max)}")
     raise ValueError(
         "sigma_next == 0 gives kind='cps' zero noise, so the step has no density: the last "
         "transition is deterministic; use ode_step (or kind='cps_mse') for it"
@@ -230,8 +233,9 @@ def check_chunk_settings(
         sizes = list(chunk_sizes)
     except TypeError:
         sizes = []
-    if len(sizes) == 0 or not all(isinstance(c, numbers.Integral) and not isinstance(
-            c, (bool, np.bool_)) for c in sizes):
+    # numpy's integers are numbers.Integral; bool is too, and np.bool_ is not.
+    if len(sizes) == 0 or not all(isinstance(c, numbers.Integral) and not isinstance(c, bool)
+                                  for c in sizes):
         raise ValueError(f"chunk_sizes must be a non-empty sequence of ints, got {chunk_sizes!r}")
     if any(c <= 0 for c in sizes):
         raise ValueError(f"chunk_sizes must all be >= 1, got {[int(c) for c in sizes]}")

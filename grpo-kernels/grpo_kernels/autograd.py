@@ -27,8 +27,15 @@ from grpo_kernels.validation import compute_dtype
 def kernels(backend: str):
     """The backend module implementing the fused passes: cpu_fused (C) or triton_kernels."""
     if backend == "triton":
-        from grpo_kernels import triton_kernels  # lazy: importing grpo_kernels never needs triton
-
+        try:  # lazy: importing grpo_kernels never needs triton
+            from grpo_kernels import triton_kernels
+        except ModuleNotFoundError as err:
+            if err.name != "triton":
+                raise
+            raise ModuleNotFoundError(
+                "backend='triton' needs the triton package: pip install 'grpo-kernels[triton]' "
+                "(torch's CUDA builds bring it), or use backend='cpu_fused' / 'reference'",
+                name="triton") from err
         return triton_kernels
     return cpu_fused
 

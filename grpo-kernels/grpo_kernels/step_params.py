@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 StepValue = float | torch.Tensor
@@ -28,8 +28,15 @@ class StepParams(NamedTuple):
 
 
 def real_number(value: object) -> bool:
-    """A Python or numpy real scalar (np.float32, np.int64, ...), but not a bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+    """A Python or numpy real scalar (np.float32, np.int64, ...), but not a bool (numpy's
+    np.bool_ is no numbers.Real, so it is refused too)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def numpy_array(value: object) -> bool:
+    """A numpy array. numpy is optional here: if it was never imported, no array exists."""
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(value, np.ndarray)
 
 
 def step_value(value: object, name: str, batch: int, device: torch.device) -> StepValue:
@@ -44,8 +51,8 @@ def step_value(value: object, name: str, batch: int, device: torch.device) -> St
         return _step_tensor(value, name, batch, device)
     if real_number(value):
         return float(value)
-    if isinstance(value, np.ndarray):  # host data: copied to the device, never read back
-        if not np.issubdtype(value.dtype, np.floating):
+    if numpy_array(value):  # host data: copied to the device, never read back
+        if value.dtype.kind != "f":
             raise ValueError(f"{name} must have a floating dtype, got numpy {value.dtype}")
         value = torch.as_tensor(value, device=device)
     if not isinstance(value, torch.Tensor):
