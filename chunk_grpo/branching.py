@@ -13,7 +13,13 @@ from __future__ import annotations
 import torch
 
 from chunk_grpo.noise import initial_noise, step_noise
-from chunk_grpo.rollout import Rollout, decode_images, denoise, prepare_rollout
+from chunk_grpo.rollout import (
+    Rollout,
+    RolloutSettings,
+    decode_images,
+    denoise,
+    prepare_rollout,
+)
 
 
 def tail_sigmas(sigmas: torch.Tensor, start: int, stride: int) -> torch.Tensor:
@@ -25,31 +31,28 @@ def tail_sigmas(sigmas: torch.Tensor, start: int, stride: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sample_branch_rollouts(policy, prompts: list[str], *, group_size: int, num_steps: int,
-                           branch_step: int, granularities: tuple[int, ...], shift: float,
-                           kind: str, eta: float, cfg_scale: float | None = None,
-                           seed: int = 0, step: int = 0, row_offset: int = 0,
-                           batch_size: int = 64,
-                           antithetic_noise: bool = False, decode: str = "final",
-                           mixed_precision: str = "no", validate: bool = True
-                           ) -> tuple[Rollout, list[torch.Tensor]]:
+def sample_branch_rollouts(policy, prompts: list[str], settings: RolloutSettings, *,
+                           branch_step: int, granularities: tuple[int, ...], step: int = 0,
+                           row_offset: int = 0) -> tuple[Rollout, list[torch.Tensor]]:
     """G branches per prompt at step ``branch_step``; returns (rollout, images per granularity).
 
     The rollout holds, for every row, the shared ODE prefix x_0..x_k and its own x_{k+1}
     (latents [B, T+1], NaN after k+1: the finishes are not trained); ``logps`` [B, k+1] has the
     branch step's log-prob in column k and NaN before it (no other transition was sampled);
     ``images`` are the first granularity's.
-    ``antithetic_noise`` gives rows 2i and 2i+1 of a group opposite branch noise.
+    ``settings.antithetic_noise`` gives rows 2i and 2i+1 of a group opposite branch noise;
+    ``settings.shared_noise`` and ``settings.sde_window`` do not apply.
     Noise is keyed as in `sample_rollouts`: a prompt's initial noise by its global index
     (``row_offset`` // G + p), a row's branch noise by its global row ``row_offset`` + r.
-    ``validate``: the kernels' value checks (`denoise`).
     """
+    num_steps, group_size, batch_size = settings.num_steps, settings.group_size, \
+        settings.batch_size
+    kind, eta, seed, decode = settings.kind, settings.eta, settings.seed, settings.decode
+    mixed_precision, validate = settings.mixed_precision, settings.validate
     if not 0 <= branch_step < num_steps - 1:
         raise ValueError(f"branch_step must be in [0, {num_steps - 2}] (the last transition is "
                          f"not trained), got {branch_step}")
-    setup = prepare_rollout(policy, prompts, group_size=group_size, num_steps=num_steps,
-                            shift=shift, kind=kind, cfg_scale=cfg_scale, decode=decode,
-                            antithetic_noise=antithetic_noise, row_offset=row_offset)
+    setup = prepare_rollout(policy, prompts, settings, row_offset)
     sigmas, cfg, prompt_embeds = setup.sigmas, setup.cfg_scale, setup.prompt_embeds
     rows, prompt_index = setup.rows, setup.prompt_index
     k = branch_step
@@ -59,7 +62,7 @@ def sample_branch_rollouts(policy, prompts: list[str], *, group_size: int, num_s
     noise = initial_noise(policy, setup.global_prompts, seed=seed, step=step).float()
     branch_noise = step_noise(setup.global_rows, tuple(noise.shape[1:]), 1, seed=seed, step=step,
                               purpose="branch")
-    if antithetic_noise:
+    if settings.antithetic_noise:
         branch_noise[:, 1::2] = -branch_noise[:, 0::2]
 
     # The shared prefix: one ODE trajectory per prompt, x_0 .. x_k.

@@ -123,7 +123,7 @@ class LossConfig:
     clip_low: float = 1e-3  # ratios of mean-reduced step log-probs stay within ~1e-3
     clip_high: float = 1e-3
     kl_coef: float = 0.0
-    kl_ref: str = "old"  # old (k3 vs the rollout policy) | reference (LoRA disabled)
+    kl_ref: str = "old"  # old (k3 vs the rollout policy) | reference (the base model)
 
 
 @dataclass

@@ -106,10 +106,6 @@ def check_config(cfg: TrainConfig, name: Callable[[str], str]) -> None:
     if not 0.0 <= cfg.optim.ema_decay < 1.0:
         raise ConfigError(f"{name('optim.ema_decay')} must be in [0, 1), got "
                           f"{cfg.optim.ema_decay}")
-    if lo.kl_ref == "reference" and lo.kl_coef > 0 and cfg.model.lora_rank == 0:
-        raise ConfigError(f"{name('loss.kl_ref')}: reference needs LoRA "
-                          f"({name('model.lora_rank')} > 0): the reference model is the base "
-                          "with the adapters disabled")
     if cfg.parallel.reduce_dtype != "fp32" and cfg.parallel.mode != "fsdp":
         raise ConfigError(f"{name('parallel.reduce_dtype')} {cfg.parallel.reduce_dtype} needs "
                           f"{name('parallel.mode')}: fsdp (ddp all-reduces fp32 gradients); set "

@@ -110,7 +110,7 @@ def iteration_gradients(tr: Trainer, steps: list[int], progress: bool = True,
             if batch.finite:
                 for nonfinite in accumulate_gradients(
                         tr.policy, batch.rollout, batch.rollout.prompt_embeds, batch.advantages,
-                        batch.units, chunk_steps, settings, record):
+                        batch.units, chunk_steps, settings, record, reference=tr.reference):
                     flat = _flat_gradient(tr.params)
                     if nonfinite or not bool(torch.isfinite(flat).all()):
                         break

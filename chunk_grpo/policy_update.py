@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 import grpo_kernels
+from chunk_grpo.parallelize import reshard_root
 from chunk_grpo.rollout import Rollout, autocast_context
 
 
@@ -75,7 +76,7 @@ class LossSettings:
     clip_low: float
     clip_high: float
     kl_coef: float = 0.0
-    kl_ref: str = "old"  # old (k3 in the fused loss) | reference (LoRA disabled)
+    kl_ref: str = "old"  # old (k3 in the fused loss) | reference (the base model's view)
     mixed_precision: str = "no"
     ppo_epochs: int = 1
     grad_accum: int = 0
@@ -236,8 +237,8 @@ def row_weights(units: list[TrainUnit], step_after: list[bool]) -> list[float]:
 def accumulate_gradients(policy, rollout: Rollout, prompt_embeds, advantages: torch.Tensor,
                          units: list[TrainUnit], chunk_steps: list[list[int]],
                          settings: LossSettings, record: UpdateRecord, *,
-                         grad_sync: Callable[[bool], AbstractContextManager] | None = None
-                         ) -> Iterator[torch.Tensor]:
+                         grad_sync: Callable[[bool], AbstractContextManager] | None = None,
+                         reference=None) -> Iterator[torch.Tensor]:
     """Backward of every unit's loss (``settings.ppo_epochs`` passes); at each accumulation
     boundary (every ``settings.grad_accum`` units) yield whether a loss since the last one was
     non-finite (a 0-d bool tensor on the device: nothing is read back here), and resume when
@@ -252,14 +253,22 @@ def accumulate_gradients(policy, rollout: Rollout, prompt_embeds, advantages: to
     A non-finite loss still runs its backward (under FSDP or DDP the backward holds
     collectives every rank must join); its step's gradients are then non-finite and the caller
     skips that step.
+    ``reference``: the KL reference model (``settings.kl_ref`` "reference"), a policy view with
+    ``velocity`` (`chunk_grpo.hybrid_base`: the adapters disabled under LoRA, a frozen copy of
+    the initial transformer under full fine-tuning); its log-probs are taken once, before any
+    update.
     """
+    use_reference = settings.kl_coef > 0 and settings.kl_ref == "reference"
+    if use_reference and reference is None:
+        raise ValueError("kl_ref 'reference' needs the reference model: pass reference= (the "
+                         "base view of chunk_grpo.hybrid_base)")
     step_after = optimizer_step_after(len(units), settings.grad_accum)
     weights = row_weights(units, step_after)
     first_boundary = step_after.index(True)
     sigma_max = float(rollout.sigmas[1])  # read once, not per unit
 
-    def logprobs(unit: TrainUnit) -> torch.Tensor:
-        return chunk_logprobs(policy, rollout, prompt_embeds, unit.rows,
+    def logprobs(unit: TrainUnit, model=policy) -> torch.Tensor:
+        return chunk_logprobs(model, rollout, prompt_embeds, unit.rows,
                               unit_steps(unit, chunk_steps), kind=settings.kind, eta=settings.eta,
                               cfg_scale=settings.cfg_scale,
                               mixed_precision=settings.mixed_precision,
@@ -267,17 +276,15 @@ def accumulate_gradients(policy, rollout: Rollout, prompt_embeds, advantages: to
 
     # Old log-probs of units trained after the policy may first move, taken before it moves.
     snapshot: dict[int, torch.Tensor] = {}
-    reference: dict[int, torch.Tensor] = {}
+    ref_logps: dict[int, torch.Tensor] = {}
     with torch.no_grad():
         for k, unit in enumerate(units):
             if settings.ppo_epochs > 1 or k > first_boundary:
                 snapshot[k] = logprobs(unit)
-        if settings.kl_coef > 0 and settings.kl_ref == "reference":
-            policy.transformer.disable_adapters()
-            try:
-                reference = {k: logprobs(unit) for k, unit in enumerate(units)}
-            finally:
-                policy.transformer.enable_adapters()
+        if use_reference:
+            ref_logps = {k: logprobs(unit, reference) for k, unit in enumerate(units)}
+            # FSDP2 keeps a sharded frozen copy's root gathered after a no-grad forward
+            reshard_root(getattr(reference, "base_transformer", None))
 
     bad = None
     for _epoch in range(settings.ppo_epochs):
@@ -294,7 +301,7 @@ def accumulate_gradients(policy, rollout: Rollout, prompt_embeds, advantages: to
                 loss, stats = unit_loss(logp_new, logp_old, advantages[unit.rows],
                                         [len(chunk_steps[j]) for j in unit.chunks],
                                         clip_low=settings.clip_low, clip_high=settings.clip_high,
-                                        kl_coef=settings.kl_coef, logp_ref=reference.get(k),
+                                        kl_coef=settings.kl_coef, logp_ref=ref_logps.get(k),
                                         validate=settings.validate)
                 (loss * weights[k]).backward()
             record.note_unit(unit.chunks, loss, stats)

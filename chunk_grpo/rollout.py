@@ -188,78 +188,102 @@ class RolloutSetup:
         return range(first, first + self.rows // self.group_size)
 
 
-def prepare_rollout(policy, prompts: list[str], *, group_size: int, num_steps: int,
-                    shift: float, kind: str, cfg_scale: float | None, decode: str,
-                    antithetic_noise: bool, row_offset: int) -> RolloutSetup:
+@dataclass(frozen=True)
+class RolloutSettings:
+    """What a training rollout needs of the config, built once (`chunk_grpo.samplers`): the
+    schedule, the SDE, the group, the noise layout and the batch the transformer sees.
+
+    ``cfg_scale`` None: the model's default. ``validate``: the kernels' value checks (host
+    reads; a caller with checked settings turns them off). ``shared_noise`` and
+    ``sde_window`` are the group sampler's (G2RPO's initial noise is per prompt and its only
+    stochastic step is the branch step).
+    """
+
+    group_size: int
+    num_steps: int
+    shift: float
+    kind: str
+    eta: float
+    cfg_scale: float | None = None
+    seed: int = 0
+    batch_size: int = 64
+    shared_noise: bool = False
+    antithetic_noise: bool = False
+    decode: str = "final"
+    mixed_precision: str = "no"
+    sde_window: int = 0
+    validate: bool = True
+
+
+def prepare_rollout(policy, prompts: list[str], settings: RolloutSettings,
+                    row_offset: int) -> RolloutSetup:
     """Check a rollout's settings (one line naming the fix), then encode its prompts once."""
-    check_sde_kind(kind)
-    check_decode(decode)
-    check_antithetic(antithetic_noise, group_size)
-    check_row_offset(row_offset, group_size)
-    return RolloutSetup(sigmas=flux_sigmas(num_steps, shift),
-                        cfg_scale=resolve_cfg_scale(policy, cfg_scale),
+    check_sde_kind(settings.kind)
+    check_decode(settings.decode)
+    check_antithetic(settings.antithetic_noise, settings.group_size)
+    check_row_offset(row_offset, settings.group_size)
+    return RolloutSetup(sigmas=flux_sigmas(settings.num_steps, settings.shift),
+                        cfg_scale=resolve_cfg_scale(policy, settings.cfg_scale),
                         prompt_embeds=policy.encode_prompts(list(prompts)),
-                        prompt_index=torch.arange(len(prompts)).repeat_interleave(group_size),
-                        row_offset=row_offset, group_size=group_size)
+                        prompt_index=torch.arange(len(prompts)).repeat_interleave(
+                            settings.group_size),
+                        row_offset=row_offset, group_size=settings.group_size)
 
 
 @torch.no_grad()
-def sample_rollouts(policy, prompts: list[str], *, group_size: int, num_steps: int,
-                    shift: float, kind: str, eta: float, cfg_scale: float | None = None,
-                    seed: int = 0, step: int = 0, row_offset: int = 0, batch_size: int = 64,
-                    shared_noise: bool = False, antithetic_noise: bool = False,
-                    decode: str = "final",
-                    mixed_precision: str = "no", sde_window: int = 0,
-                    on_batch: Callable[[torch.Tensor, list[str], int], None] | None = None,
-                    validate: bool = True) -> Rollout:
+def sample_rollouts(policy, prompts: list[str], settings: RolloutSettings, *, step: int = 0,
+                    row_offset: int = 0,
+                    on_batch: Callable[[torch.Tensor, list[str], int], None] | None = None
+                    ) -> Rollout:
     """G trajectories per prompt with the SDE sampler, keeping x_t for every t and the log-probs.
 
-    ``sde_window`` k > 0 samples only the first k steps stochastically and the rest with the
-    ODE (the Flow-GRPO-Fast / MixGRPO idea): with shared initial noise, every difference within
-    a group then comes from the trained high-noise transitions.
+    ``settings.sde_window`` k > 0 samples only the first k steps stochastically and the rest
+    with the ODE (the Flow-GRPO-Fast / MixGRPO idea): with shared initial noise, every
+    difference within a group then comes from the trained high-noise transitions.
 
-    ``antithetic_noise`` pairs rows 2i and 2i+1 of a group: the second takes the negated noise
-    of the first (initial noise too unless shared). Each image's noise is still standard normal,
-    so its log-probs and the estimator's expectation are unchanged; the reward's even part in
-    the noise cancels within a pair. Needs an even group size.
+    ``settings.antithetic_noise`` pairs rows 2i and 2i+1 of a group: the second takes the
+    negated noise of the first (initial noise too unless shared). Each image's noise is still
+    standard normal, so its log-probs and the estimator's expectation are unchanged; the
+    reward's even part in the noise cancels within a pair. Needs an even group size.
 
     Noise is keyed by image (`chunk_grpo.noise`): row r's initial and step noise come from
-    (``seed``, ``step``, ``row_offset`` + r), shared noise from the global prompt index, so a
-    rank sampling rows [o, o + n) of a global batch (``row_offset`` o, a whole number of groups)
-    draws what one process sampling the whole batch draws for them, whatever ``batch_size``.
+    (``settings.seed``, ``step``, ``row_offset`` + r), shared noise from the global prompt
+    index, so a rank sampling rows [o, o + n) of a global batch (``row_offset`` o, a whole
+    number of groups) draws what one process sampling the whole batch draws for them, whatever
+    ``settings.batch_size``.
 
     Rows are prompt-major (rows p*G .. p*G+G-1 belong to prompt p). The transformer sees
-    ``batch_size`` rows at a time; prompts are encoded once. ``on_batch(images, row_prompts,
-    index)`` is called with each batch's decoded images as soon as they exist (the trainer
-    scores them on another thread while the next batch is sampled); it must not modify them.
-    ``validate``: the kernels' value checks (`denoise`).
+    ``settings.batch_size`` rows at a time; prompts are encoded once. ``on_batch(images,
+    row_prompts, index)`` is called with each batch's decoded images as soon as they exist (the
+    trainer scores them on another thread while the next batch is sampled); it must not modify
+    them.
     """
-    setup = prepare_rollout(policy, prompts, group_size=group_size, num_steps=num_steps,
-                            shift=shift, kind=kind, cfg_scale=cfg_scale, decode=decode,
-                            antithetic_noise=antithetic_noise, row_offset=row_offset)
-    rows, prompt_index = setup.rows, setup.prompt_index
-    if shared_noise:
-        noise = initial_noise(policy, setup.global_prompts, seed=seed, step=step)
-        noise = noise.repeat_interleave(group_size, 0)
+    s = settings
+    setup = prepare_rollout(policy, prompts, s, row_offset)
+    rows, prompt_index, batch_size = setup.rows, setup.prompt_index, s.batch_size
+    if s.shared_noise:
+        noise = initial_noise(policy, setup.global_prompts, seed=s.seed, step=step)
+        noise = noise.repeat_interleave(s.group_size, 0)
     else:
-        noise = initial_noise(policy, setup.global_rows, seed=seed, step=step)
+        noise = initial_noise(policy, setup.global_rows, seed=s.seed, step=step)
     steps_noise = step_noise(setup.global_rows, tuple(noise.shape[1:]),
-                             sde_steps(num_steps, sde_window), seed=seed, step=step)
-    if antithetic_noise:  # rows are prompt-major and G is even: pairs never cross a group
+                             sde_steps(s.num_steps, s.sde_window), seed=s.seed, step=step)
+    if s.antithetic_noise:  # rows are prompt-major and G is even: pairs never cross a group
         steps_noise[:, 1::2] = -steps_noise[:, 0::2]
-        if not shared_noise:
+        if not s.shared_noise:
             noise[1::2] = -noise[0::2]
     all_latents, all_logps, images = [], [], []
     for start in range(0, rows, batch_size):
         idx = prompt_index[start:start + batch_size]
         out = denoise(policy, noise[start:start + batch_size].float(),
-                      setup.prompt_embeds.index(idx), setup.sigmas, sampler=kind, eta=eta,
-                      cfg_scale=setup.cfg_scale, mixed_precision=mixed_precision, keep=True,
-                      sde_window=sde_window, step_noise=steps_noise[:, start:start + batch_size],
-                      validate=validate)
+                      setup.prompt_embeds.index(idx), setup.sigmas, sampler=s.kind, eta=s.eta,
+                      cfg_scale=setup.cfg_scale, mixed_precision=s.mixed_precision, keep=True,
+                      sde_window=s.sde_window,
+                      step_noise=steps_noise[:, start:start + batch_size],
+                      validate=s.validate)
         all_latents.append(out.latents)
         all_logps.append(out.logps)
-        images.append(decode_images(policy, out, decode))
+        images.append(decode_images(policy, out, s.decode))
         if on_batch is not None:
             on_batch(images[-1], [prompts[i] for i in idx.tolist()], len(images) - 1)
     return Rollout(latents=torch.cat(all_latents), logps=torch.cat(all_logps),

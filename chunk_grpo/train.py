@@ -19,7 +19,8 @@ step 3's images and at every evaluation; it trains nothing, and it stops the run
 falls beyond `eval.guard_stop`.
 With ``algorithm: g2rpo`` step 2 branches each prompt's ODE trajectory at one step and finishes
 the branches at several strides (`chunk_grpo.branching`), step 4 sums the finishes' advantages,
-and step 5 trains that one step.
+and step 5 trains that one step. The two are samplers of one interface (`chunk_grpo.samplers`),
+chosen once when the trainer is built; `collect_batch` calls the interface only.
 The run is built by `chunk_grpo.trainer_setup` and evaluated by `chunk_grpo.trainer_eval`.
 Under torchrun the transformer is sharded with FSDP2 or wrapped in DDP (`parallelism`), the
 DDP's gradients sync only at accumulation boundaries, and several ranks write sharded checkpoints
@@ -43,9 +44,8 @@ from tqdm.auto import tqdm
 
 from chunk_grpo import distributed as D
 from chunk_grpo.advantages import multi_granularity_advantages, per_reward_advantages
-from chunk_grpo.branching import sample_branch_rollouts
 from chunk_grpo.checkpoint import latest_checkpoint
-from chunk_grpo.chunking import ChunkLayout, select_chunks
+from chunk_grpo.chunking import ChunkLayout
 from chunk_grpo.cli import run_cli
 from chunk_grpo.config import (
     ConfigError,
@@ -68,10 +68,9 @@ from chunk_grpo.precision import resolve_mixed_precision
 from chunk_grpo.progress import BAR_FORMAT, progress_postfix, training_progress
 from chunk_grpo.prompt_cache import setup_text_encoders
 from chunk_grpo.rewards.outputs import RewardError
-from chunk_grpo.rollout import Rollout, sample_rollouts
+from chunk_grpo.rollout import Rollout
 from chunk_grpo.run_lock import RunLock
 from chunk_grpo.scoring import RolloutScorer, constant_within_groups
-from chunk_grpo.specs import parse_granularities
 from chunk_grpo.trainer_checkpoint import (
     NonFiniteWeights,
     apply_resume_changes,
@@ -126,47 +125,34 @@ def collect_batch(tr: Trainer, step: int, timer: _PhaseTimer | None = None, *,
     (``split_chunks``: one unit per chunk and micro-batch, for per-chunk gradients)."""
     cfg, info = tr.cfg, tr.info
     sampling, loss, seed = cfg.sampling, cfg.loss, cfg.run.seed
-    g2rpo = sampling.algorithm == "g2rpo"
+    sampler = tr.sampler
     timer = timer or _PhaseTimer()
 
     # 1. prompts for this rank
     prompts = D.sample_prompts(tr.train_prompts, sampling.prompts_per_step, seed=seed, step=step,
                                info=info)
 
-    # 2. group rollouts with the SDE sampler (latents and log-probs stored); G2RPO: one branch
-    #    step k (a step-level chunk drawn as chunks are), its group finished at several strides
-    # Chunks from (seed, step) alone: every rank trains the same chunks, so their work is equal
-    # and no rank waits for another at the gradient sync.
+    # 5 (drawn first). The chunks trained, from (seed, step) alone: every rank trains the same
+    # chunks, so their work is equal and no rank waits for another at the gradient sync.
+    # G2RPO branches at the step it trains.
     gen = D.step_generator(seed, step, 0, "chunks")
     weights = tr.chunk_weights if cfg.chunks.weighted else None
-    strides = parse_granularities(sampling.g2rpo_granularities) if g2rpo else (1,)
-    # Noise keyed by global image index: this rank's rows start at rank * P * G.
-    common = dict(group_size=sampling.group_size, num_steps=sampling.steps, shift=tr.shift,
-                  kind=sampling.sde, eta=sampling.eta, cfg_scale=tr.cfg_scale, seed=seed,
-                  step=step, row_offset=info.rank * len(prompts) * sampling.group_size,
-                  batch_size=sampling.batch_size, antithetic_noise=sampling.antithetic_noise,
-                  decode=sampling.decode, mixed_precision=cfg.model.mixed_precision,
-                  validate=False)  # the config is checked: the kernels skip their host reads
+    chunks = sampler.choose_chunks(tr.layout, cfg.chunks.fraction, weights, gen)
+
+    # 2. rollouts with latents and log-probs stored (`chunk_grpo.samplers`). Noise keyed by
+    #    global image index: this rank's rows start at rank * P * G.
     with RolloutScorer(tr.reward_fn, overlap=cfg.reward.overlap,
                        timeout=cfg.reward.timeout) as scorer:
-        with timer("rollout"):
-            if g2rpo:
-                chunks = select_chunks(tr.layout.num_chunks, 1 / tr.layout.num_chunks,
-                                       weights=weights, generator=gen)
-                rollout, finishes = sample_branch_rollouts(
-                    tr.policy, prompts, branch_step=chunks[0], granularities=strides, **common)
-            else:  # 3. begins here: each batch is scored while the next is sampled
-                rollout = sample_rollouts(tr.policy, prompts, shared_noise=sampling.shared_noise,
-                                          sde_window=sampling.sde_window, on_batch=scorer,
-                                          **common)
+        with timer("rollout"):  # 3. may begin here: batches scored while the next is sampled
+            sampled = sampler.sample(tr.policy, prompts, chunks, step=step,
+                                     row_offset=info.rank * len(prompts) * sampling.group_size,
+                                     scorer=scorer)
+        rollout = sampled.rollout
 
         # 3. score the decoded images (every finish): each reward's scores, and the total
         row_prompts = [prompts[i] for i in rollout.prompt_index.tolist()]
         with timer("reward"):
-            if g2rpo:
-                components = [scorer.score_now(images, row_prompts) for images in finishes]
-            else:
-                components = [scorer.collect()]
+            components = sampler.score(sampled, scorer, row_prompts)
     scores = [tr.reward_fn.total(c) for c in components]
     gathered = [D.all_gather_cat(r.to(info.device), info).cpu() for r in scores]
     gathered_parts = [{k: D.all_gather_cat(v.to(info.device), info).cpu() for k, v in c.items()}
@@ -177,7 +163,7 @@ def collect_batch(tr: Trainer, step: int, timer: _PhaseTimer | None = None, *,
     for label, r in gathered_parts[0].items():
         metrics[f"reward/{label}_mean"] = float(r.mean())
         metrics[f"reward/{label}_std"] = float(r.std())
-    for stride, r in zip(strides[1:], gathered[1:], strict=True):
+    for stride, r in zip(sampler.granularities[1:], gathered[1:], strict=True):
         metrics[f"reward_mean_stride{stride}"] = float(r.mean())
     metrics["time/reward_scoring"] = scorer.busy_seconds
     if tr.guard is not None and tr.guard.on_rollouts:  # beside the reward; trains nothing
@@ -209,10 +195,7 @@ def collect_batch(tr: Trainer, step: int, timer: _PhaseTimer | None = None, *,
     metrics.update(adv_mean=float(advantages.mean()), adv_std=float(advantages.std()),
                    adv_abs_max=float(advantages.abs().max()))
 
-    # 5. choose chunks (G2RPO: the branch step's), and the micro-batches that train them
-    if not g2rpo:
-        chunks = select_chunks(tr.layout.num_chunks, cfg.chunks.fraction, weights=weights,
-                               generator=gen)
+    # 5. the micro-batches that train the chosen chunks
     units = plan_units(chunks, rollout.latents.shape[0], cfg.optim.micro_batch_size, gen,
                        split_chunks=split_chunks)
     metrics["chunks_trained"] = ",".join(str(j) for j in chunks)
@@ -258,7 +241,8 @@ def train_iteration(tr: Trainer, step: int) -> tuple[dict, bool]:
                 tr.policy, batch.rollout, batch.rollout.prompt_embeds, batch.advantages,
                 batch.units, [tr.layout.steps(j) for j in range(tr.layout.num_chunks)],
                 tr.loss_settings, record,
-                grad_sync=lambda boundary: sync_gradients(tr.module, boundary)):
+                grad_sync=lambda boundary: sync_gradients(tr.module, boundary),
+                reference=tr.reference):
             optimizer_step(tr, nonfinite, record)
 
     # 7. metrics of the update

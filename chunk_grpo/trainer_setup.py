@@ -47,10 +47,13 @@ from chunk_grpo.reward_spec import resolve_guard_spec
 from chunk_grpo.rewards import build_reward
 from chunk_grpo.rewards.mix import RewardMix, as_reward_mix, check_reward_spec
 from chunk_grpo.rewards.outputs import RewardError
+from chunk_grpo.rollout import RolloutSettings
+from chunk_grpo.samplers import BranchSampler, GroupSampler, Sampler
 from chunk_grpo.sampling_options import resolve_cfg_scale
 from chunk_grpo.schedule import dynamic_shift
 from chunk_grpo.scoring import probe_reward
 from chunk_grpo.sharded_load import fill_from_checkpoint, meta_transformer
+from chunk_grpo.specs import parse_granularities
 from chunk_grpo.weights_dtype import WEIGHTS_DTYPES, load_dtypes, resolve_weights_dtype
 
 
@@ -89,7 +92,9 @@ class Trainer:
     layout: ChunkLayout
     chunk_weights: torch.Tensor | None
     logger: MetricsLogger
+    sampler: Sampler | None = None  # the rollout sampler (`build_sampler`)
     base_policy: object = None  # the base for hybrid evaluation (`chunk_grpo.hybrid_base`)
+    reference: object = None  # the KL reference (`loss.kl_ref: reference`): the same base view
     guard: Guard | None = None  # a reward scored beside the trained one (`chunk_grpo.guard`)
     base_evals: dict = field(default_factory=dict)  # image count -> the base's EvalResult
     final_evals: dict = field(default_factory=dict)  # "eval"/"eval_hybrid" -> final EvalResult
@@ -115,6 +120,34 @@ class Trainer:
                             mixed_precision=self.cfg.model.mixed_precision,
                             ppo_epochs=optim.ppo_epochs, grad_accum=optim.grad_accum,
                             validate=False)  # the config is checked: no host syncs
+
+
+def rollout_settings(cfg: TrainConfig, policy: FluxPolicy) -> RolloutSettings:
+    """What the rollouts need of the config (the shift and CFG scale resolved for ``policy``)."""
+    sampling = cfg.sampling
+    return RolloutSettings(group_size=sampling.group_size, num_steps=sampling.steps,
+                           shift=sampling_shift(cfg, policy), kind=sampling.sde,
+                           eta=sampling.eta,
+                           cfg_scale=resolve_cfg_scale(policy, sampling.cfg_scale),
+                           seed=cfg.run.seed, batch_size=sampling.batch_size,
+                           shared_noise=sampling.shared_noise,
+                           antithetic_noise=sampling.antithetic_noise, decode=sampling.decode,
+                           mixed_precision=cfg.model.mixed_precision,
+                           sde_window=sampling.sde_window,
+                           validate=False)  # the config is checked: no host syncs
+
+
+def build_sampler(cfg: TrainConfig, policy: FluxPolicy) -> Sampler:
+    """The run's rollout sampler (`chunk_grpo.samplers`), chosen by ``sampling.algorithm``."""
+    settings = rollout_settings(cfg, policy)
+    if cfg.sampling.algorithm == "g2rpo":
+        return BranchSampler(settings, parse_granularities(cfg.sampling.g2rpo_granularities))
+    return GroupSampler(settings)
+
+
+def uses_reference_kl(cfg: TrainConfig) -> bool:
+    """Whether the loss needs the reference model's log-probs (`loss.kl_ref: reference`)."""
+    return cfg.loss.kl_ref == "reference" and cfg.loss.kl_coef > 0
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -280,6 +313,14 @@ class PolicySetup:
     policy: FluxPolicy
     module: torch.nn.Module  # what trains: the transformer, FSDP-sharded or DDP-wrapped
     base: object = None  # the base for hybrid evaluation, None without it
+    reference: object = None  # the KL reference (the same view), None without it
+
+
+def _with_base(cfg: TrainConfig, policy: FluxPolicy, module: torch.nn.Module,
+               view) -> PolicySetup:
+    """The setup with the base view where hybrid evaluation or the reference KL uses it."""
+    return PolicySetup(policy, module, view if cfg.eval.hybrid_steps else None,
+                       view if uses_reference_kl(cfg) else None)
 
 
 def quantized_compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
@@ -317,32 +358,37 @@ def build_policy(cfg: TrainConfig, info: D.DistInfo) -> PolicySetup:
         lora_targets=model.lora_targets, gradient_checkpointing=model.gradient_checkpointing,
         attention_backend=model.attention_backend, lora_seed=cfg.run.seed)
     weights_dtype = resolve_weights_dtype(model.weights_dtype, info.device)
+    # One base view serves hybrid evaluation and the reference KL: under full fine-tuning one
+    # frozen copy of the transformer, whichever uses it.
+    needs_base = bool(cfg.eval.hybrid_steps) or uses_reference_kl(cfg)
     if not sharded:
         # the base from the policy's own weights, before any step
-        base = hybrid_base(policy, weights_dtype) if cfg.eval.hybrid_steps else None
-        return PolicySetup(policy, parallelize_policy(cfg, policy, base, info), base)
+        base = hybrid_base(policy, weights_dtype) if needs_base else None
+        return _with_base(cfg, policy, parallelize_policy(cfg, policy, base, info), base)
     module = parallelize_policy(cfg, policy, None, info)
     # cpu_offload: FSDP2 keeps the shards in host memory and expects them there
     fill_from_checkpoint(policy.transformer, model_dir,
                          device="cpu" if cfg.parallel.cpu_offload else info.device,
                          lora_seed=cfg.run.seed)
     base = None
-    if cfg.eval.hybrid_steps:
+    if needs_base:
         base = hybrid_base(policy, weights_dtype,
                            shard=lambda m: parallelize_transformer(m, **_fsdp_options(cfg, info)))
-    return PolicySetup(policy, module, base)
+    return _with_base(cfg, policy, module, base)
 
 
 # ----------------------------------------------------------------------------- the trainer
 
 def resolve_layout(cfg: TrainConfig, policy: FluxPolicy, prompts: list[str], run_dir: Path,
-                   info: D.DistInfo) -> tuple[ChunkLayout, torch.Tensor | None]:
-    """The run's fixed chunk layout; "auto" (or weighted sampling) measures the profile on the
-    first training prompts, once for the job (`shared_dynamics`; rank 0 saves it). G2RPO
-    trains one branch step per iteration: its layout is step level, chunk j = step j."""
-    if cfg.sampling.algorithm == "g2rpo":
-        layout = ChunkLayout((1,) * cfg.num_trained)
-    else:
+                   info: D.DistInfo, sampler: Sampler | None = None
+                   ) -> tuple[ChunkLayout, torch.Tensor | None]:
+    """The run's fixed chunk layout: the sampler's if it fixes one (G2RPO trains one branch step
+    per iteration: its layout is step level, chunk j = step j), else the config's; "auto" (or
+    weighted sampling) measures the profile on the first training prompts, once for the job
+    (`shared_dynamics`; rank 0 saves it). ``sampler``: the run's (default: from the config)."""
+    sampler = build_sampler(cfg, policy) if sampler is None else sampler
+    layout = sampler.layout(cfg.num_trained)
+    if layout is None:
         layout = parse_chunk_spec(cfg.chunks.spec, cfg.num_trained, cfg.chunks.size)
     curve = None
     if layout is None or cfg.chunks.weighted:
@@ -387,8 +433,10 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, info: D.DistInfo, *,
     # leaves the root's own parameters unsharded (plain tensors) until the next backward.
     named = [(n, p) for n, p in unwrapped(module).named_parameters() if p.requires_grad]
     params = [p for _, p in named]
+    sampler = build_sampler(cfg, policy)  # chosen once, from the config
     if layout is None:
-        layout, curve = resolve_layout(cfg, policy, prompt_sets.train.prompts, run_dir, info)
+        layout, curve = resolve_layout(cfg, policy, prompt_sets.train.prompts, run_dir, info,
+                                       sampler)
         chunk_weights = layout.chunk_weights(curve) if curve is not None else None
     optimizer = build_optimizer(params, name=cfg.optim.name, lr=cfg.optim.lr,
                                 betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
@@ -408,7 +456,8 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, info: D.DistInfo, *,
                    logger=MetricsLogger(run_dir, enabled=info.is_main,
                                         report_to=cfg.run.report_to, name=cfg.run.name,
                                         project=cfg.run.wandb_project, config=cfg.to_dict()),
-                   base_policy=setup.base, guard=guard,
+                   sampler=sampler, base_policy=setup.base, reference=setup.reference,
+                   guard=guard,
                    chunk_counts=[0] * layout.num_chunks)
 
 

@@ -15,14 +15,14 @@ from chunk_grpo.config import ConfigError
 from chunk_grpo.metrics import read_metrics
 from chunk_grpo.models import FluxPolicy
 from chunk_grpo.noise import initial_noise
-from chunk_grpo.rollout import denoise
+from chunk_grpo.rollout import RolloutSettings, denoise
 from chunk_grpo.schedule import flux_sigmas
 from chunk_grpo.specs import GranularityError, parse_granularities
 from chunk_grpo.train import run, train_iteration
 from chunk_grpo.trainer_setup import build_trainer, optimizer_steps_per_iter
 
 PROMPTS = ["a red circle", "two blue squares", "one green triangle"]
-KW = dict(group_size=4, num_steps=5, shift=3.0, kind="flow", eta=0.7, granularities=(1, 2))
+KW = dict(group_size=4, num_steps=5, shift=3.0, kind="flow", eta=0.7)
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +31,9 @@ def policy(tmp_path_factory):
 
 
 def _sample(policy, branch_step, seed=0, **overrides):
-    kwargs = {**KW, **overrides}
-    return sample_branch_rollouts(policy, PROMPTS, branch_step=branch_step,
-                                  seed=seed, **kwargs)
+    settings = RolloutSettings(**{**KW, "seed": seed, **overrides})
+    return sample_branch_rollouts(policy, PROMPTS, settings, branch_step=branch_step,
+                                  granularities=(1, 2))
 
 
 def _ode(policy, x, prompt_rows, sigmas):

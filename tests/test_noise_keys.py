@@ -10,10 +10,11 @@ from chunk_grpo.branching import sample_branch_rollouts
 from chunk_grpo.evaluation import evaluate_policy
 from chunk_grpo.models import FluxPolicy
 from chunk_grpo.noise import check_row_offset, image_generator, initial_noise, step_noise
-from chunk_grpo.rollout import generate, sample_rollouts
+from chunk_grpo.rollout import RolloutSettings, generate, sample_rollouts
 
 PROMPTS = ["a red circle", "two blue squares", "three green triangles", "a yellow square"]
-ROLLOUT = dict(num_steps=3, shift=3.0, kind="flow", eta=0.7, seed=5, step=7, batch_size=4)
+ROLLOUT = dict(num_steps=3, shift=3.0, kind="flow", eta=0.7, seed=5, batch_size=4)
+STEP = 7
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +39,11 @@ def _assert_same_rows(whole, parts):
                          [(False, False), (True, False), (False, True)])
 def test_rollout_rows_sampled_in_two_ranks_equal_one(policy, shared, antithetic):
     kw = dict(ROLLOUT, group_size=2, shared_noise=shared, antithetic_noise=antithetic)
-    whole = sample_rollouts(policy, PROMPTS, row_offset=0, **kw)  # rows [0, 8)
-    first = sample_rollouts(policy, PROMPTS[:2], row_offset=0, **kw)  # rows [0, 4): rank 0
-    second = sample_rollouts(policy, PROMPTS[2:], row_offset=4, **kw)  # rows [4, 8): rank 1
+    settings = RolloutSettings(**kw)
+    whole = sample_rollouts(policy, PROMPTS, settings, step=STEP)  # rows [0, 8)
+    first = sample_rollouts(policy, PROMPTS[:2], settings, step=STEP)  # rows [0, 4): rank 0
+    second = sample_rollouts(policy, PROMPTS[2:], settings, step=STEP,
+                             row_offset=4)  # rows [4, 8): rank 1
     _assert_same_rows(whole, [first, second])
     x0 = whole.latents[:, 0]
     if shared:  # one noise per prompt, keyed by the global prompt index
@@ -48,15 +51,18 @@ def test_rollout_rows_sampled_in_two_ranks_equal_one(policy, shared, antithetic)
     elif antithetic:
         assert torch.equal(x0[1::2], -x0[0::2])
     # a rank that forgot its offset samples other images than the global batch's
-    wrong = sample_rollouts(policy, PROMPTS[2:], row_offset=0, **kw)
+    wrong = sample_rollouts(policy, PROMPTS[2:], settings, step=STEP, row_offset=0)
     assert not torch.equal(wrong.latents[:, 0], whole.latents[4:, 0])
 
 
 def test_branch_rows_sampled_in_two_ranks_equal_one(policy):
-    kw = dict(ROLLOUT, group_size=2, branch_step=1, granularities=(1, 2), antithetic_noise=True)
-    whole, whole_images = sample_branch_rollouts(policy, PROMPTS, row_offset=0, **kw)
-    first, first_images = sample_branch_rollouts(policy, PROMPTS[:2], row_offset=0, **kw)
-    second, second_images = sample_branch_rollouts(policy, PROMPTS[2:], row_offset=4, **kw)
+    settings = RolloutSettings(**ROLLOUT, group_size=2, antithetic_noise=True)
+    kw = dict(branch_step=1, granularities=(1, 2), step=STEP)
+    whole, whole_images = sample_branch_rollouts(policy, PROMPTS, settings, row_offset=0, **kw)
+    first, first_images = sample_branch_rollouts(policy, PROMPTS[:2], settings, row_offset=0,
+                                                 **kw)
+    second, second_images = sample_branch_rollouts(policy, PROMPTS[2:], settings, row_offset=4,
+                                                   **kw)
     _assert_same_rows(whole, [first, second])
     for i in range(2):
         torch.testing.assert_close(torch.cat([first_images[i], second_images[i]]),
@@ -104,8 +110,8 @@ def test_bad_offsets_name_the_fix(policy):
     with pytest.raises(ValueError, match="row_offset must be a multiple of group_size 4"):
         check_row_offset(6, 4)
     with pytest.raises(ValueError, match="row_offset must be a multiple"):
-        sample_rollouts(policy, PROMPTS[:1], group_size=2, row_offset=3,
-                        **{k: v for k, v in ROLLOUT.items()})
+        sample_rollouts(policy, PROMPTS[:1], RolloutSettings(**ROLLOUT, group_size=2),
+                        step=STEP, row_offset=3)
     with pytest.raises(ValueError, match="index_offset must be >= 0"):
         generate(policy, PROMPTS[:1], num_steps=2, index_offset=-1)
     with pytest.raises(ValueError, match="image index must be >= 0"):

@@ -12,7 +12,7 @@ from chunk_grpo.config import ConfigError, build_config, parse_args
 from chunk_grpo.metrics import read_metrics
 from chunk_grpo.reward_spec import RewardSpecError, format_reward_spec, parse_reward_spec
 from chunk_grpo.rewards import build_reward, register_reward
-from chunk_grpo.rollout import sample_rollouts
+from chunk_grpo.rollout import RolloutSettings, sample_rollouts
 from chunk_grpo.train import run, train_iteration
 from chunk_grpo.trainer_setup import build_trainer, resolve_reward
 
@@ -213,10 +213,9 @@ def test_rollout_hook_sees_each_batch_in_order(tmp_path):
 
     policy = FluxPolicy.from_pretrained(tiny_model_dir(tmp_path))
     seen = []
-    rollout = sample_rollouts(policy, ["a red circle", "two blue squares"], group_size=3,
-                              num_steps=3, shift=3.0, kind="flow", eta=0.7, batch_size=4,
-                              seed=0,
-                              on_batch=lambda im, p, i: seen.append((i, im.clone(), p)))
+    rollout = sample_rollouts(policy, ["a red circle", "two blue squares"], RolloutSettings(
+        group_size=3, num_steps=3, shift=3.0, kind="flow", eta=0.7, batch_size=4, seed=0),
+        on_batch=lambda im, p, i: seen.append((i, im.clone(), p)))
     assert [i for i, _, _ in seen] == [0, 1]
     assert torch.equal(torch.cat([im for _, im, _ in seen]), rollout.images)
     assert [p for _, _, ps in seen for p in ps] == ["a red circle"] * 3 + ["two blue squares"] * 3

@@ -100,7 +100,6 @@ def test_sde_window_sets_the_trained_transitions():
         ({"clip_low": 1.0}, "clip_low must be in"),
         ({"lr": 0.0}, "lr must be > 0"),
         ({"ema_decay": 1.0}, "ema_decay must be in"),
-        ({"kl_coef": 0.1, "kl_ref": "reference", "lora_rank": 0}, "needs LoRA"),
         ({"eval_hybrid_steps": -1}, "eval_hybrid_steps must be >= 0"),
         ({"micro_batch_size": 0}, "micro_batch_size must be >= 1"),
         ({"mixed_precision": "fp16"}, "mixed_precision must be one of auto, no, bf16"),

@@ -109,3 +109,16 @@ def test_a_two_rank_checkpoint_resumes_on_one_process_and_on_two(setup):
             torch.testing.assert_close(wa[key].float(), wb[key].float(), atol=WEIGHT_ATOL,
                                        rtol=0)
         assert [r["step"] for r in _metrics(resumed)] == [1, 2]
+
+
+def test_reference_kl_under_fsdp_full_fine_tuning(setup):
+    """The KL reference of a fully fine-tuned FSDP run is the base sharded as the policy is,
+    filled from the policy's own shards: iteration 1 is exactly on the base (k3 = 0), the next
+    has moved away from it."""
+    root, model, _ = setup
+    config_file = root / "kl.yaml"
+    save_config(_config(model, root / "kl", prompts_per_step=2, parallelism="fsdp",
+                        kl_ref="reference", kl_coef=1.0, checkpoint_every=0), config_file)
+    _train(2, "--config", str(config_file))
+    records = _metrics(root / "kl")
+    assert [r["ref_kl"] for r in records][:1] == [0.0] and records[1]["ref_kl"] > 0

@@ -20,7 +20,7 @@ from chunk_grpo.policy_update import (
     unit_loss,
     unit_steps,
 )
-from chunk_grpo.rollout import sample_rollouts
+from chunk_grpo.rollout import RolloutSettings, sample_rollouts
 
 ETA = 0.7
 
@@ -28,9 +28,8 @@ ETA = 0.7
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     policy = FluxPolicy.from_pretrained(tiny_model_dir(tmp_path_factory.mktemp("m")))
-    rollout = sample_rollouts(policy, ["a red circle", "two blue squares"], group_size=3,
-                              num_steps=5, shift=3.0, kind="flow", eta=ETA,
-                              seed=0)
+    rollout = sample_rollouts(policy, ["a red circle", "two blue squares"], RolloutSettings(
+        group_size=3, num_steps=5, shift=3.0, kind="flow", eta=ETA, seed=0))
     return policy, rollout
 
 

@@ -19,7 +19,7 @@ from chunk_grpo.policy_update import (
     plan_units,
 )
 from chunk_grpo.quantize import quantize_base
-from chunk_grpo.rollout import sample_rollouts
+from chunk_grpo.rollout import RolloutSettings, sample_rollouts
 
 
 @pytest.fixture(scope="module", params=["full", "lora-nf4"])
@@ -44,10 +44,9 @@ def policy(tmp_path_factory, request):
 
 @pytest.mark.parametrize("precision", ["no", "bf16"])
 def test_ratio_is_exactly_one_when_the_policy_has_not_moved(policy, precision):
-    rollout = sample_rollouts(policy, ["a red circle", "one green triangle"], group_size=3,
-                              num_steps=5, shift=3.0, kind="flow", eta=0.7,
-                              seed=0,
-                              batch_size=4, mixed_precision=precision)  # 4 != any train call
+    rollout = sample_rollouts(policy, ["a red circle", "one green triangle"], RolloutSettings(
+        group_size=3, num_steps=5, shift=3.0, kind="flow", eta=0.7, seed=0,
+        batch_size=4, mixed_precision=precision))  # 4 != any train call
     layout = ChunkLayout((1, 3))
     steps = [layout.steps(0), layout.steps(1)]
     # A no-grad recomputation (the snapshot) equals the one training makes with autograd and

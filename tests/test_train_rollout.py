@@ -6,7 +6,13 @@ from trainer_utils import tiny_model_dir
 
 from chunk_grpo.models import FluxPolicy
 from chunk_grpo.noise import initial_noise, step_noise
-from chunk_grpo.rollout import denoise, generate, sample_rollouts, sde_steps
+from chunk_grpo.rollout import (
+    RolloutSettings,
+    denoise,
+    generate,
+    sample_rollouts,
+    sde_steps,
+)
 from chunk_grpo.schedule import flux_sigmas
 
 PROMPTS = ["a red circle", "two blue squares", "one green triangle"]
@@ -26,18 +32,17 @@ def policies(tmp_path_factory):
 def test_rollout_layout_and_determinism(policies):
     policy, _ = policies
     kw = dict(group_size=2, num_steps=4, shift=3.0, kind="dance", eta=0.5)
-    r = sample_rollouts(policy, PROMPTS, seed=0, **kw)
+    r = sample_rollouts(policy, PROMPTS, RolloutSettings(seed=0, **kw))
     assert r.latents.shape[:2] == (6, 5) and r.logps.shape == (6, 3)
     assert r.images.shape == (6, 3, 32, 32) and 0 <= float(r.images.min())
     assert r.prompt_index.tolist() == [0, 0, 1, 1, 2, 2] and r.group_size == 2
     assert torch.equal(r.sigmas, flux_sigmas(4, 3.0))
     assert torch.isfinite(r.logps).all()
-    again = sample_rollouts(policy, PROMPTS, seed=0, **kw)
+    again = sample_rollouts(policy, PROMPTS, RolloutSettings(seed=0, **kw))
     assert torch.equal(again.latents, r.latents) and torch.equal(again.logps, r.logps)
     # Independent noise per image by default; one noise per group when shared.
     assert not torch.equal(r.latents[0, 0], r.latents[1, 0])
-    shared = sample_rollouts(policy, PROMPTS, seed=0,
-                             shared_noise=True, **kw)
+    shared = sample_rollouts(policy, PROMPTS, RolloutSettings(seed=0, shared_noise=True, **kw))
     assert torch.equal(shared.latents[0, 0], shared.latents[1, 0])
     assert not torch.equal(shared.latents[0, -1], shared.latents[1, -1])  # the SDE diverges
 
@@ -47,8 +52,7 @@ def test_sde_window_rollout(policies):
     diverges after, the later steps are the ODE's, and only k log-probs are kept."""
     policy, _ = policies
     kw = dict(group_size=2, num_steps=5, shift=3.0, kind="flow", eta=0.7, shared_noise=True)
-    r = sample_rollouts(policy, PROMPTS[:1], seed=0,
-                        sde_window=2, **kw)
+    r = sample_rollouts(policy, PROMPTS[:1], RolloutSettings(seed=0, sde_window=2, **kw))
     assert r.logps.shape == (2, 2) and torch.isfinite(r.logps).all()
     assert not torch.equal(r.latents[0, 2], r.latents[1, 2])
     with torch.no_grad():  # steps 2.. are deterministic: recompute one ODE step by hand
@@ -58,8 +62,7 @@ def test_sde_window_rollout(policies):
         v = policy.velocity(r.latents[:, t], s, embeds, cfg_scale=policy.default_cfg_scale)
         x_next = r.latents[:, t] + (s_next - s).view(-1, 1, 1) * v
     torch.testing.assert_close(r.latents[:, t + 1], x_next, rtol=1e-5, atol=1e-5)
-    full = sample_rollouts(policy, PROMPTS[:1], seed=0,
-                           sde_window=99, **kw)
+    full = sample_rollouts(policy, PROMPTS[:1], RolloutSettings(seed=0, sde_window=99, **kw))
     assert full.logps.shape == (2, 4)  # the window never includes the last step
 
 
@@ -72,7 +75,8 @@ def test_rollout_noise_does_not_depend_on_the_batch_split(policies, kind, sde_wi
     kw = dict(group_size=2, num_steps=4, shift=3.0, kind=kind, eta=0.7, sde_window=sde_window)
 
     def rollout(batch_size):
-        return sample_rollouts(policy, PROMPTS, seed=4, batch_size=batch_size, **kw)
+        return sample_rollouts(policy, PROMPTS,
+                               RolloutSettings(seed=4, batch_size=batch_size, **kw))
 
     whole, split = rollout(64), rollout(4)
     torch.testing.assert_close(split.latents, whole.latents, rtol=1e-4, atol=1e-4)
@@ -106,12 +110,12 @@ def test_trained_transitions():
 
 def test_cps_rollout_and_x0_decode(policies):
     policy, _ = policies
-    r = sample_rollouts(policy, PROMPTS[:1], group_size=2, num_steps=3, shift=1.0, kind="cps",
-                        eta=0.5, seed=0, decode="x0")
+    r = sample_rollouts(policy, PROMPTS[:1], RolloutSettings(
+        group_size=2, num_steps=3, shift=1.0, kind="cps", eta=0.5, seed=0, decode="x0"))
     assert r.logps.shape == (2, 2) and torch.isfinite(r.logps).all()
     with pytest.raises(ValueError, match="kind must be one of"):
-        sample_rollouts(policy, PROMPTS, group_size=2, num_steps=3, shift=1.0, kind="ode",
-                        eta=0.5)
+        sample_rollouts(policy, PROMPTS, RolloutSettings(group_size=2, num_steps=3, shift=1.0,
+                                                         kind="ode", eta=0.5))
 
 
 def test_generate_hybrid(policies):
@@ -153,7 +157,7 @@ def test_antithetic_pairs_take_opposite_noise(policies, shared):
     policy, _ = policies
     kw = dict(group_size=4, num_steps=4, shift=3.0, kind="flow", eta=0.7, shared_noise=shared,
               seed=2)
-    r = sample_rollouts(policy, PROMPTS[:2], antithetic_noise=True, **kw)
+    r = sample_rollouts(policy, PROMPTS[:2], RolloutSettings(antithetic_noise=True, **kw))
     x0 = r.latents[:, 0]
     if shared:
         assert torch.equal(x0[0], x0[1]) and torch.equal(x0[0], x0[3])
@@ -163,7 +167,8 @@ def test_antithetic_pairs_take_opposite_noise(policies, shared):
     else:
         assert torch.equal(x0[1::2], -x0[0::2]) and not torch.equal(x0[0], -x0[2])
     assert not torch.equal(r.latents[0, -1], r.latents[1, -1])
-    plain = sample_rollouts(policy, PROMPTS[:2], **kw)
+    plain = sample_rollouts(policy, PROMPTS[:2], RolloutSettings(**kw))
     assert torch.equal(plain.latents[0::2], r.latents[0::2])  # the first of each pair as before
     with pytest.raises(ValueError, match="even group_size"):
-        sample_rollouts(policy, PROMPTS[:2], antithetic_noise=True, **dict(kw, group_size=3))
+        sample_rollouts(policy, PROMPTS[:2],
+                        RolloutSettings(antithetic_noise=True, **dict(kw, group_size=3)))
