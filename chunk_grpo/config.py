@@ -64,7 +64,9 @@ class RewardConfig:
     """What the images are scored with."""
 
     # a registered name, module:name, remote:URL, or a mix "a=1.0,b=0.5"
-    name: str = "jpeg_compressibility"
+    # The embedded default: DDPO's JPEG compressibility, held to the prompt by a tenth of the
+    # shapes world's learned CLIP score (alone, JPEG learns empty canvases: docs/results)
+    name: str = "jpeg_compressibility=1,shapes-clip=0.1"
     mix_advantage: str = "total"  # total (of the weighted sum) | per_reward (each normalised)
     device: str = ""  # "" = the trainer's device; rewards get bf16 on CUDA, fp32 on CPU
     batch_size: int = 0  # images per reward call; 0 = a whole rollout batch
@@ -96,7 +98,7 @@ class SamplingConfig:
     prompts_per_step: int = 8  # prompts per rank per iteration
     shared_noise: bool = True  # same initial noise for the whole group
     antithetic_noise: bool = False  # image pairs in a group draw opposite noise (even G)
-    sde_window: int = 3  # k > 0: only the first k steps are SDE (and trained), the rest ODE
+    sde_window: int = 6  # k > 0: only the first k steps are SDE (and trained), the rest ODE
     decode: str = "final"  # final latent | x0 (the last step's clean prediction)
     batch_size: int = 64  # rows per rollout transformer call
 
@@ -107,7 +109,7 @@ class ChunksConfig:
 
     spec: str = "auto"  # "2,3,4,7" | "auto" | "step" | "sequence"
     size: int | None = None  # fixed-size chunks; overrides `spec`
-    fraction: float = 1.0  # fraction of chunks trained per iteration
+    fraction: float = 0.5  # fraction of chunks trained per iteration
     weighted: bool = False  # draw chunks with weight ~ mean relative change
     profile_prompts: int = 16  # prompts used for the temporal-dynamics profile
     max_size: int = 5  # auto chunking splits longer segments
@@ -529,7 +531,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m chunk_grpo.
             prog, max_help_position=46, width=100),
         usage="%(prog)s [--config YAML | --resume DIR] [--section.key VALUE ...]",
         description="Chunk-GRPO fine-tuning of a flow-matching text-to-image model. With no "
-                    "arguments:\nthe embedded tiny FLUX on the shapes reward (CPU).\n\n"
+                    "arguments:\nthe embedded tiny FLUX on JPEG compressibility, held to the "
+                    "prompt by shapes-clip (CPU).\n\n"
                     "Every setting is --section.key VALUE (or --section.key=VALUE), listed by "
                     "section below;\nthe flat names of earlier versions (--lr, --group-size) "
                     "are aliases, shown beside each.")

@@ -65,7 +65,7 @@ def test_a_full_disk_at_a_mid_run_checkpoint_is_one_line(tmp_path, capsys, monke
     line = _one_line(["--model", str(model), "--run.output_dir", str(out), "--max-steps", "2",
                       "--checkpoint-every", "1", "--group-size", "2", "--prompts-per-step", "1",
                       "--eval-images", "2", "--final-eval-images", "2", "--num-steps", "3",
-                      "--eval-hybrid-steps", "0", "--progress",
+                      "--sde-window", "3", "--eval-hybrid-steps", "0", "--progress",
                       "false", "--image-grid-every", "0"], capsys)
     assert "no space left on device for a checkpoint in" in line
 

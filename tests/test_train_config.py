@@ -320,9 +320,9 @@ def test_a_nested_yaml_takes_sections_dotted_keys_and_aliases(tmp_path):
     assert cfg.reward.name == "test_brightness=1.0,jpeg_compressibility=0.5"
     assert cfg.reward.overlap is False and cfg.eval == TrainConfig().eval
     # a section's own flat name with a plain value is its alias: model: DIR, chunks: [1, 2]
-    path.write_text("model: some/dir\nchunks: [1, 2]\nreward: {test_brightness: 1.0}\n")
+    path.write_text("model: some/dir\nchunks: [1, 2, 3]\nreward: {test_brightness: 1.0}\n")
     cfg = build_config(path)
-    assert (cfg.model.name, cfg.chunks.spec) == ("some/dir", "1,2")
+    assert (cfg.model.name, cfg.chunks.spec) == ("some/dir", "1,2,3")
     assert cfg.reward.name == "test_brightness"  # a weight of 1 is the plain name
 
 
