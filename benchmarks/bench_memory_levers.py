@@ -18,7 +18,7 @@ import torch
 from diffusers import AutoencoderKL, FluxTransformer2DModel
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-from chunk_grpo.policy_setup import prepare_transformer
+from chunk_grpo.models.policy_setup import prepare_transformer
 
 GB = 1e9
 FLUX_DEV_TRANSFORMER = dict(attention_head_dim=128, axes_dims_rope=(16, 56, 56),

@@ -37,7 +37,7 @@ from peak_memory import PeakMemory
 from peft import LoraConfig
 
 from chunk_grpo.models.policy import EMBEDDED_MODEL
-from chunk_grpo.parallelize import (
+from chunk_grpo.runtime.parallelize import (
     any_rank,
     clip_grad_norm,
     parallelize_transformer,

@@ -19,9 +19,9 @@ and CLIP-L's output widths (`chunk_grpo.models.tiny`). What departs from the pre
 128x128 images, 5 sampling steps (chunks 2,2, half trained), 4 rollouts per rank, 2 evaluation
 images, the programmatic jpeg_compressibility reward (no reward model to download).
 
-The trainer records each phase's peak with `chunk_grpo.phase_memory` (per rank: the process's
+The trainer records each phase's peak with `chunk_grpo.train.phase_memory` (per rank: the process's
 resident-memory high-water mark above its resident memory after the imports, the mark reset at
-each phase's start) into RUN/phases.json. The plan (`chunk_grpo.memory_plan`) of the same config
+each phase's start) into RUN/phases.json. The plan (`chunk_grpo.plan.memory`) of the same config
 on the CPU gives each phase's bytes per device plus what one rank holds on its CPU besides; on a
 CPU run the two are one process's memory (`PhasePlan.process_bytes`: with the checkpoint rows a
 rank maps while it fills its shards, which a GPU node holds in its page cache). One line per phase
@@ -43,11 +43,11 @@ from pathlib import Path
 import torch
 import yaml
 
-from chunk_grpo.config import build_config
-from chunk_grpo.memory_plan import GB, PHASES, format_plan, plan_for_config
+from chunk_grpo.config.schema import build_config
 from chunk_grpo.models.sampling_defaults import SamplingDefaults
 from chunk_grpo.models.tiny import build_tiny_flux_pipeline
-from chunk_grpo.plan_models import build_transformer, build_vae, resolve_model_configs
+from chunk_grpo.plan.memory import GB, PHASES, format_plan, plan_for_config
+from chunk_grpo.plan.models import build_transformer, build_vae, resolve_model_configs
 
 REPO = Path(__file__).resolve().parents[1]
 PRESET = REPO / "configs" / "flux_dev_hpsv3.yaml"

@@ -12,7 +12,7 @@ tiny text encoders of T5-XXL's and CLIP-L's widths) with the same departures for
 images, 5 sampling steps, chunks 2,2, the jpeg_compressibility reward, two iterations).
 
 The trainer records each phase's resident-memory high-water mark above its post-import baseline
-(`chunk_grpo.phase_memory`) into RUN/phases.json; the plan (`chunk_grpo.memory_plan`, device
+(`chunk_grpo.train.phase_memory`) into RUN/phases.json; the plan (`chunk_grpo.plan.memory`, device
 cpu, one process) gives each phase's device bytes plus what the process holds besides. One line
 per phase: plan, measured, their difference.
 """
@@ -30,8 +30,8 @@ from pathlib import Path
 
 from bench_plan_check import TOLERANCE, write_config, write_model
 
-from chunk_grpo.config import build_config
-from chunk_grpo.memory_plan import GB, PHASES, format_plan, plan_for_config
+from chunk_grpo.config.schema import build_config
+from chunk_grpo.plan.memory import GB, PHASES, format_plan, plan_for_config
 
 REPO = Path(__file__).resolve().parents[1]
 PRESET = REPO / "configs" / "flux_dev_1gpu_24gb.yaml"

@@ -37,16 +37,16 @@ import torch
 from peak_memory import PeakMemory
 
 import grpo_kernels
-from chunk_grpo import distributed as D
-from chunk_grpo.advantages import group_advantages
-from chunk_grpo.chunking import select_chunks
-from chunk_grpo.config import TrainConfig
-from chunk_grpo.precision import resolve_mixed_precision
+from chunk_grpo.algorithm.advantages import group_advantages
+from chunk_grpo.algorithm.chunking import select_chunks
+from chunk_grpo.algorithm.rollout import autocast_context, sde_steps
+from chunk_grpo.algorithm.sigmas import flux_sigmas
+from chunk_grpo.config.schema import TrainConfig
 from chunk_grpo.rewards import register_reward
-from chunk_grpo.rollout import autocast_context, sde_steps
-from chunk_grpo.schedule import flux_sigmas
-from chunk_grpo.train import train_iteration
-from chunk_grpo.trainer_setup import build_trainer
+from chunk_grpo.runtime import distributed as D
+from chunk_grpo.runtime.precision import resolve_mixed_precision
+from chunk_grpo.train.loop import train_iteration
+from chunk_grpo.train.setup import build_trainer
 
 if "OMP_NUM_THREADS" in os.environ:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

@@ -1,9 +1,7 @@
 """Chunk-GRPO for flow-matching text-to-image models.
 
-When a command starts (``python -m chunk_grpo.train`` and the others), its flags are checked here,
-before the command's module imports torch: ``--help`` and a bad flag answer at once.
+``chunk-grpo <command>`` (or ``python -m chunk_grpo.<command>``) runs a command; ``chunk-grpo
+--help`` lists them. The subpackages, from the lowest layer up (a module imports its own subpackage
+and lower layers only): config; runtime, shapes, data; algorithm, models, rewards; plan, evaluate;
+train; analysis, pretrain; cli.
 """
-
-from chunk_grpo.cli_args import check_command_line_early
-
-check_command_line_early()

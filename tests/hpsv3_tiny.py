@@ -4,7 +4,7 @@ What a user downloads, in miniature: HPSv3.safetensors with the flat transformer
 (`visual.*`, `model.*`, `lm_head.*`, `rm_head.{0,3,5}.*`) and an embedding resized to the
 tokenizer + <|Reward|>, next to Qwen2-VL-style config.json (flat, padded vocab_size),
 preprocessor_config.json and tokenizer files (which do not contain <|Reward|>). Used by
-tests/test_rewards_hpsv3.py and benchmarks/bench_reward_hpsv3.py.
+tests/unit/rewards/test_rewards_hpsv3.py and benchmarks/bench_reward_hpsv3.py.
 """
 
 from __future__ import annotations

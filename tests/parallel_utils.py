@@ -12,7 +12,7 @@ import torch
 from diffusers import FluxTransformer2DModel
 from peft import LoraConfig
 
-from chunk_grpo.parallelize import any_rank, clip_grad_norm, sync_gradients, unwrapped
+from chunk_grpo.runtime.parallelize import any_rank, clip_grad_norm, sync_gradients, unwrapped
 
 TINY = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2,
             attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from chunk_grpo.config import build_config
+from chunk_grpo.config.schema import build_config
 from chunk_grpo.models import SamplingDefaults
 from chunk_grpo.models.tiny import build_tiny_flux_pipeline
 from chunk_grpo.rewards import register_reward

@@ -3,10 +3,10 @@
     python tools/convert_config_access.py                 # chunk_grpo/, tests/, benchmarks/
     python tools/convert_config_access.py --check         # list what would change, write nothing
     python tools/convert_config_access.py --remove-shim   # also drop config.py's transition shim
-    python tools/convert_config_access.py --names model,reward,chunks chunk_grpo/train.py
+    python tools/convert_config_access.py --names model,reward,chunks chunk_grpo/train/loop.py
 
 Not part of the package: a one-off for the move to a nested `TrainConfig`. The mapping is
-`chunk_grpo.config.FLAT_ALIASES`. What it rewrites, on receivers that hold a TrainConfig
+`chunk_grpo.config.schema.FLAT_ALIASES`. What it rewrites, on receivers that hold a TrainConfig
 (`RECEIVERS`: cfg, config, base_cfg, self.cfg, tr.cfg, trainer.cfg, cfgs[...], TrainConfig(),
 build_config(...), load_saved_config(...)):
   - ``cfg.lr`` -> ``cfg.optim.lr`` (reads and writes; ``cfg.model`` -> ``cfg.model.name``, except
@@ -33,13 +33,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from chunk_grpo.config import FLAT_ALIASES, PATHS, SECTIONS  # noqa: E402
+from chunk_grpo.config.schema import FLAT_ALIASES, PATHS, SECTIONS  # noqa: E402
 
 DEFAULT_DIRS = ("chunk_grpo", "tests", "benchmarks")
 # Already written in the sectioned form (and the shim's own code).
-SKIP = {Path("chunk_grpo/config.py"), Path("chunk_grpo/config_checks.py"),
-        Path("tests/test_convert_config_access.py")}  # its examples are the old form on purpose
-SHIM_FILES = {Path("chunk_grpo/config.py"), Path("tests/test_train_config.py")}
+SKIP = {Path("chunk_grpo/config/schema.py"), Path("chunk_grpo/config/checks.py"),
+        # its examples are the old form on purpose
+        Path("tests/unit/config/test_convert_config_access.py")}
+SHIM_FILES = {Path("chunk_grpo/config/schema.py"), Path("tests/unit/config/test_train_config.py")}
 LINE_LENGTH = 100
 RECEIVERS = (r"cfg", r"config", r"base_cfg", r"self\.cfg", r"tr\.cfg", r"trainer\.cfg",
              r"cfgs\[[^\]\n]+\]", r"TrainConfig\(\)", r"build_config\([^()\n]*\)",

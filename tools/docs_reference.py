@@ -5,7 +5,7 @@
 
 ``config.md`` comes from the `TrainConfig` section dataclasses (every key with its type or
 choices, its default, and the comment beside the field); ``cli.md`` from the argument parser of
-every command, the one its ``--help`` prints. ``tests/test_docs.py`` regenerates both in memory
+every command, the one its ``--help`` prints. ``tests/unit/test_docs.py`` regenerates both in memory
 and compares them with the files, so a changed flag or default fails the tests until this
 script has been run.
 """
@@ -37,19 +37,21 @@ REGENERATE = "python tools/docs_reference.py"
 
 # (command, module, one line on what it is for): the order of cli.md.
 COMMANDS: tuple[tuple[str, str, str], ...] = (
-    ("train", "chunk_grpo.train", "Chunk-GRPO or G2RPO training"),
-    ("evaluate", "chunk_grpo.evaluate", "sample a prompt set, score it, compare two evaluations"),
-    ("plan", "chunk_grpo.plan", "the memory plan of a training config"),
-    ("cache_prompts", "chunk_grpo.cache_prompts", "encode a run's prompts once, into the cache"),
-    ("reward_server", "chunk_grpo.reward_server", "serve a reward over HTTP"),
-    ("profile", "chunk_grpo.profile", "the temporal-dynamics curve and its proposed chunks"),
-    ("credit", "chunk_grpo.credit", "where the reward is decided, step by step"),
-    ("gradient_snr", "chunk_grpo.gradient_snr", "the policy gradient's signal-to-noise ratio"),
-    ("ablate", "chunk_grpo.ablate", "the chunk ablation at toy scale"),
-    ("pretrain", "chunk_grpo.pretrain", "rebuild the embedded tiny FLUX"),
-    ("pretrain_clip", "chunk_grpo.pretrain_clip", "rebuild the shapes-clip reward model"),
-    ("evaluate_clip", "chunk_grpo.evaluate_clip", "measure a shapes-world CLIP as a reward"),
-    ("gpu_check", "chunk_grpo.gpu_check", "the acceptance check of a CUDA machine"),
+    ("train", "chunk_grpo.cli.train", "Chunk-GRPO or G2RPO training"),
+    ("evaluate", "chunk_grpo.cli.evaluate",
+     "sample a prompt set, score it, compare two evaluations"),
+    ("plan", "chunk_grpo.cli.plan", "the memory plan of a training config"),
+    ("cache_prompts", "chunk_grpo.cli.cache_prompts",
+     "encode a run's prompts once, into the cache"),
+    ("reward_server", "chunk_grpo.cli.reward_server", "serve a reward over HTTP"),
+    ("profile", "chunk_grpo.cli.profile", "the temporal-dynamics curve and its proposed chunks"),
+    ("credit", "chunk_grpo.cli.credit", "where the reward is decided, step by step"),
+    ("gradient_snr", "chunk_grpo.cli.gradient_snr", "the policy gradient's signal-to-noise ratio"),
+    ("ablate", "chunk_grpo.cli.ablate", "the chunk ablation at toy scale"),
+    ("pretrain", "chunk_grpo.cli.pretrain", "rebuild the embedded tiny FLUX"),
+    ("pretrain_clip", "chunk_grpo.cli.pretrain_clip", "rebuild the shapes-clip reward model"),
+    ("evaluate_clip", "chunk_grpo.cli.evaluate_clip", "measure a shapes-world CLIP as a reward"),
+    ("gpu_check", "chunk_grpo.cli.gpu_check", "the acceptance check of a CUDA machine"),
 )
 
 # argparse wraps to the terminal's width; the pages must not depend on it.
@@ -109,8 +111,8 @@ def _cell(text: str) -> str:
 
 
 def resume_classes() -> dict[str, str]:
-    """{dotted key: what a resumed run does with it}, from `chunk_grpo.trainer_checkpoint`."""
-    from chunk_grpo import trainer_checkpoint as tc
+    """{dotted key: what a resumed run does with it}, from `chunk_grpo.train.run_checkpoint`."""
+    from chunk_grpo.train import run_checkpoint as tc
 
     groups = (("fixed", "FIXED_ON_RESUME"), ("per-rank", "PER_RANK_ON_RESUME"),
               ("optimizer", "OPTIMIZER_ON_RESUME"), ("applied", "APPLIED_ON_RESUME"))
@@ -119,8 +121,8 @@ def resume_classes() -> dict[str, str]:
 
 def config_reference() -> str:
     """docs/reference/config.md."""
-    from chunk_grpo import config
-    from chunk_grpo.config_checks import CHOICES
+    from chunk_grpo.config import schema as config
+    from chunk_grpo.config.checks import CHOICES
 
     aliases = {path: flat for flat, path in getattr(config, "FLAT_ALIASES", {}).items()}
     on_resume = resume_classes()
@@ -128,7 +130,7 @@ def config_reference() -> str:
     out = [
         "# Configuration reference",
         "",
-        f"Generated from `chunk_grpo/config.py` by `{REGENERATE}`; do not edit by hand.",
+        f"Generated from `chunk_grpo/config/schema.py` by `{REGENERATE}`; do not edit by hand.",
         "",
         "Every key is `section.key`: a flag `--section.key VALUE` of `train` (and of `plan`,",
         "`cache_prompts`, `gradient_snr`, `ablate`), a nested or dotted key in a YAML file given",
@@ -245,7 +247,7 @@ def _describe(parser: argparse.ArgumentParser) -> list[str]:
 
 
 def command_reference(name: str, module: str, summary: str) -> list[str]:
-    from chunk_grpo.config import SECTIONS
+    from chunk_grpo.config.schema import SECTIONS
 
     parser = command_parser(module)
     out = [f"## {name}", "", f"{summary[0].upper()}{summary[1:]}.", "",
@@ -311,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 if a page differs from the code")
     args = parser.parse_args(argv)
-    from chunk_grpo.quiet import quiet_third_party
+    from chunk_grpo.runtime.quiet import quiet_third_party
 
     quiet_third_party(False)  # the commands' imports, as a command starts: no library chatter
     stale = []

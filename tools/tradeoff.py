@@ -73,7 +73,7 @@ def collect(label: str, runs: list[Path], out: Path) -> None:
 
 
 def plot(table: Path, out: Path) -> None:
-    from chunk_grpo.plots import line_plot
+    from chunk_grpo.train.plots import line_plot
 
     with table.open() as f:
         rows = list(csv.DictReader(f))

@@ -103,7 +103,7 @@ def check_tokenizers(pipeline: FluxPipeline, source: str) -> None:
 
 def _follow_progress_bar_setting() -> None:
     """diffusers' and transformers' loading bars obey HF_HUB_DISABLE_PROGRESS_BARS only for
-    downloads; the commands set it when quiet (`chunk_grpo.quiet.quiet_third_party`), so
+    downloads; the commands set it when quiet (`chunk_grpo.runtime.quiet.quiet_third_party`), so
     apply it to the loading bars too."""
     if os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "").lower() in ("1", "true", "yes"):
         diffusers_logging.disable_progress_bar()
@@ -158,7 +158,7 @@ def load_flux_pipeline(
     in its dtype straight to its device (``devices[name]``, default ``device``) from the
     memory-mapped safetensors: no detour through fp32 or a host copy to move afterwards.
     ``transformer``: one to use instead of loading it (e.g. built on the ``meta`` device for
-    sharded loading, `chunk_grpo.sharded_load`); it is left where it is. ``skip``: components
+    sharded loading, `chunk_grpo.models.sharded_load`); it is left where it is. ``skip``: components
     not to load (None in the pipeline), e.g. ``("transformer", "vae")`` for the text encoders
     only."""
     _follow_progress_bar_setting()

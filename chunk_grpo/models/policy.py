@@ -6,9 +6,10 @@ step is x' = x + (sigma' - sigma) * v -- the same step FluxPipeline's scheduler 
 is a pure function of its inputs and the transformer's weights: a sample evaluated alone or inside
 a batch gives the same result up to float rounding, which recomputed log-probs rely on.
 
-Memory (`chunk_grpo.weights_dtype`, `chunk_grpo.prompt_cache`): the frozen parts may be loaded in
-bf16 while trained weights stay fp32; the text encoders may sit on the CPU, or be freed once every
-prompt's embeddings are cached on disk (`prompt_cache`), after which prompts are looked up there.
+Memory (`chunk_grpo.runtime.weights_dtype`, `chunk_grpo.models.prompt_cache`): the frozen parts may
+be loaded in bf16 while trained weights stay fp32; the text encoders may sit on the CPU, or be freed
+once every prompt's embeddings are cached on disk (`prompt_cache`), after which prompts are looked
+up there.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from pathlib import Path
 import torch
 from diffusers import FluxPipeline
 
+from chunk_grpo.data.prompts import reads_lowercase_only
 from chunk_grpo.models.latents import image_ids, pack_latents, unpack_latents
 from chunk_grpo.models.loading import load_flux_pipeline
 from chunk_grpo.models.sampling_defaults import CONFIG_NAME, SamplingDefaults
-from chunk_grpo.prompts import reads_lowercase_only
 
 EMBEDDED_MODEL = Path(__file__).resolve().parent.parent / "assets" / "tiny-flux-shapes"
 
@@ -101,7 +102,8 @@ class FluxPolicy:
         self.forward_module: torch.nn.Module | None = None
         self.sampling_file_found = False  # from_pretrained: the model had a chunk_grpo.json
         self.source: str | None = None  # from_pretrained: the path or hub id loaded
-        self.prompt_cache = None  # a chunk_grpo.prompt_cache.PromptCache, once prompts are cached
+        # a chunk_grpo.models.prompt_cache.PromptCache, once prompts are cached
+        self.prompt_cache = None
         self._freed_encoders: dict[str, type] = {}  # component name -> class, see free_...
 
     @classmethod
@@ -124,9 +126,9 @@ class FluxPolicy:
         its dtype straight to its device, never in fp32 first. ``text_encoder_device``: where
         the text encoders live (default ``device``; "cpu" keeps them off the GPU, their
         embeddings are moved to ``device``). ``transformer``: one to use instead of loading it
-        (built on the ``meta`` device for sharded loading, `chunk_grpo.sharded_load`).
+        (built on the ``meta`` device for sharded loading, `chunk_grpo.models.sharded_load`).
         ``transformer_device``: where the transformer loads (default ``device``; "cpu" for a
-        base quantized as it moves to the device, `chunk_grpo.quantize`).
+        base quantized as it moves to the device, `chunk_grpo.models.quantize`).
         """
         frozen_dtype = frozen_dtype or dtype
         dtypes = {"transformer": dtype, "default": frozen_dtype}
@@ -292,7 +294,7 @@ class FluxPolicy:
         cfg_scale > 1 applies true classifier-free guidance against `negative` (default: the
         model's unconditional prompt): v = v_neg + cfg_scale * (v_cond - v_neg).
         ``transformer``: another transformer of the same model to evaluate (e.g. a frozen base
-        copy, `chunk_grpo.hybrid_base`); default this policy's.
+        copy, `chunk_grpo.models.hybrid_base`); default this policy's.
         """
         if latents.ndim != 3:
             raise ValueError(f"latents must be packed [B, N, C], got shape {tuple(latents.shape)}")

@@ -1,5 +1,7 @@
 """Reward functions for RL fine-tuning, by name (`get_reward("shapes")`), and weighted mixes of
-them (`build_reward("a=1.0,b=0.5")`)."""
+them (`build_reward("a=1.0,b=0.5")`); scoring a run's rollouts (`scoring`) and serving a reward
+over HTTP (`server`).
+"""
 
 from chunk_grpo.rewards.aesthetic import AestheticScore  # registers "aesthetic"
 from chunk_grpo.rewards.clip_score import ClipScore  # registers "clip"

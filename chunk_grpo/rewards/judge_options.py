@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from chunk_grpo.reward_spec import RewardSpecError
+from chunk_grpo.config.reward_spec import RewardSpecError
 from chunk_grpo.rewards.http_retry import split_http_url
 
 JUDGE_PREFIX = "judge:"

@@ -2,10 +2,11 @@
 one, with weight 1).
 
 ``build_reward("pickscore=1.0,clip=0.5", device="cuda", dtype=torch.bfloat16)`` builds each
-reward of the spec (`chunk_grpo.reward_spec`), passing ``device=`` and ``dtype=`` to the factories
-whose signature takes them. ``mix.score(images, prompts)`` returns every reward's checked scores
-(`chunk_grpo.rewards.outputs`), in calls of at most ``batch_size`` images; ``mix.total(scores)``
-is their weighted sum, and ``mix(images, prompts)`` both at once, so a mix is itself a reward.
+reward of the spec (`chunk_grpo.config.reward_spec`), passing ``device=`` and ``dtype=`` to the
+factories whose signature takes them. ``mix.score(images, prompts)`` returns every reward's checked
+scores (`chunk_grpo.rewards.outputs`), in calls of at most ``batch_size`` images;
+``mix.total(scores)`` is their weighted sum, and ``mix(images, prompts)`` both at once, so a mix is
+itself a reward.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from chunk_grpo.reward_spec import RewardSpecError, parse_reward_spec, reward_label
+from chunk_grpo.config.reward_spec import RewardSpecError, parse_reward_spec, reward_label
 from chunk_grpo.rewards.outputs import call_reward, check_reward_output
 from chunk_grpo.rewards.registry import Reward, reward_factory
 

@@ -1,4 +1,5 @@
-"""The client of a reward server (`chunk_grpo.reward_server`): ``--reward remote:http://HOST:PORT``.
+"""The client of a reward server (`chunk_grpo.rewards.server`): ``--reward
+remote:http://HOST:PORT``.
 
 Each call POSTs the images (as 8-bit pixels) and prompts to ``URL/score`` and returns the
 server's scores. A connection that cannot be opened within ``connect_timeout``, an answer that
@@ -10,7 +11,7 @@ server (500) is a `RewardOutputError` at once: trying again would give the same 
 A server started with ``--token-file`` needs its token: the client sends
 ``Authorization: Bearer TOKEN`` with TOKEN from ``$CHUNK_GRPO_REWARD_TOKEN``, or the first line
 of the file ``$CHUNK_GRPO_REWARD_TOKEN_FILE``.
-The wire format is documented in `chunk_grpo.reward_server`; `encode_score_request` and
+The wire format is documented in `chunk_grpo.rewards.server`; `encode_score_request` and
 `decode_score_request` are its two halves.
 """
 
@@ -25,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from chunk_grpo.reward_spec import RewardSpecError
+from chunk_grpo.config.reward_spec import RewardSpecError
 from chunk_grpo.rewards.http_retry import RetriesExhausted, send, split_http_url, with_retries
 from chunk_grpo.rewards.outputs import RewardOutputError, RewardUnavailableError
 from chunk_grpo.rewards.registry import register_reward

@@ -1,0 +1,1 @@
+"""Measurements around training: the chunk ablation, gradient SNR, the GPU check."""

@@ -1,0 +1,1 @@
+"""The commands: one module each (flags, then `main`) and the `chunk-grpo` dispatcher."""

@@ -1,0 +1,1 @@
+"""The configuration, torch-free: schema, checks, spec grammars, argparse machinery."""

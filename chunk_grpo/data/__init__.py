@@ -1,0 +1,1 @@
+"""Prompt sets: files, datasets and the shapes world's sets, checked before a run."""

@@ -1,0 +1,1 @@
+"""Memory before anything is allocated: a run's plan per phase, bounds that refuse it."""

@@ -1,0 +1,1 @@
+"""The shipped tiny models (FLUX and CLIP), pretrained on the shapes world."""

@@ -1,0 +1,1 @@
+"""Where a run executes: ranks, sharding, mixed precision, weight dtypes, quiet output."""

@@ -1,0 +1,1 @@
+"""A training run: setup, the loop, checkpoints, evaluation, export, metrics, summary."""

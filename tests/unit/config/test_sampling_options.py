@@ -1,0 +1,53 @@
+"""The sampler's named choices exist once: the config, the CLIs and the samplers agree."""
+
+import pytest
+from trainer_utils import tiny_model_dir
+
+import grpo_kernels.validation
+from chunk_grpo.cli.credit import credit_parser
+from chunk_grpo.cli.evaluate import evaluate_parser
+from chunk_grpo.config.errors import ConfigError
+from chunk_grpo.config.sampling_options import (
+    SAMPLERS,
+    SDE_KINDS,
+    check_antithetic,
+    check_decode,
+    check_sde_kind,
+    resolve_cfg_scale,
+)
+from chunk_grpo.config.schema import build_config
+from chunk_grpo.models import FluxPolicy
+
+
+def test_the_trainer_offers_exactly_the_kernels_kinds():
+    assert SDE_KINDS == grpo_kernels.validation.SDE_KINDS
+    assert SAMPLERS == ("ode", *SDE_KINDS)
+
+
+def test_checks_name_the_problem_and_take_the_callers_error():
+    with pytest.raises(ValueError, match=r"kind must be one of .*got 'ode'"):
+        check_sde_kind("ode")
+    with pytest.raises(ConfigError, match="decode must be 'final' or 'x0', got 'latent'"):
+        check_decode("latent", error=ConfigError)
+    with pytest.raises(ValueError, match="group_size must be even, got 3; give an even"):
+        check_antithetic(True, 3)
+    check_sde_kind("cps_mse"), check_decode("x0"), check_antithetic(True, 4)
+    check_antithetic(False, 3)  # no pairs, no constraint
+
+
+def test_config_and_command_lines_use_the_same_lists():
+    for kind in SDE_KINDS:
+        assert build_config(None, {"sde_kind": kind}).sampling.sde == kind
+    with pytest.raises(ConfigError, match="sde_kind must be one of flow, dance, cps, cps_mse"):
+        build_config(None, {"sde_kind": "ode"})
+    with pytest.raises(ConfigError, match="group_size must be even"):
+        build_config(None, {"antithetic_noise": True, "group_size": 5})
+    sampler = next(a for a in evaluate_parser()._actions if a.dest == "sampler")
+    kind = next(a for a in credit_parser()._actions if a.dest == "kind")
+    assert tuple(sampler.choices) == SAMPLERS and tuple(kind.choices) == SDE_KINDS
+
+
+def test_cfg_scale_defaults_to_the_models(tmp_path):
+    policy = FluxPolicy.from_pretrained(tiny_model_dir(tmp_path))
+    assert resolve_cfg_scale(policy, None) == policy.default_cfg_scale
+    assert resolve_cfg_scale(policy, 0.0) == 0.0  # an explicit 0 is not "unset"
