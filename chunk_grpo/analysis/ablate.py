@@ -57,7 +57,8 @@ class Cell:
 
 
 # What a cell varies; each cell sets all of these, so none leaks from one cell into another.
-_CHUNK_GRPO = dict(algorithm="chunk_grpo", chunk_size=None, weighted_chunks=False)
+_CHUNK_GRPO = dict(algorithm="chunk_grpo", chunk_size=None, weighted_chunks=False,
+                   chunk_fraction=1.0)
 CELLS: dict[str, Cell] = {c.name: c for c in (
     Cell("step", "step-level GRPO: every transition its own chunk",
          dict(_CHUNK_GRPO, chunks="step")),
@@ -72,13 +73,17 @@ CELLS: dict[str, Cell] = {c.name: c for c in (
     Cell("auto-ws", "auto chunks, half of them trained per iteration, drawn by dynamics weight",
          dict(_CHUNK_GRPO, chunks="auto", chunk_fraction=0.5, weighted_chunks=True)),
     Cell("g2rpo", "G2RPO: one branch step per iteration, finished at several strides",
-         dict(algorithm="g2rpo", chunks="step", chunk_size=None, weighted_chunks=False)),
+         dict(algorithm="g2rpo", chunks="step", chunk_size=None, weighted_chunks=False,
+              chunk_fraction=1.0)),
 )}
-CELL_KEYS = ("algorithm", "chunks", "chunk_size", "weighted_chunks")
+CELL_KEYS = ("algorithm", "chunks", "chunk_size", "weighted_chunks", "chunk_fraction")
 
 # The ablation's base on top of the trainer's defaults; flags passed through override these.
+# The reward is JPEG compressibility alone, the reward its measured results use
+# (docs/results/ablation.md); a --reward flag replaces it.
 ABLATION_DEFAULTS: dict[str, Any] = dict(sde_window=0, checkpoint_every=1, image_grid_every=0,
-                                         progress=False)  # one bar: the ablation's
+                                         progress=False,  # one bar: the ablation's
+                                         reward="jpeg_compressibility")
 # Set by the ablation for every run; passing them through is an error that names the flag to use.
 RESERVED = {
     "seed": "--seeds", "output_dir": "--out", "max_minutes": "--minutes",

@@ -117,8 +117,8 @@ def test_cli_trains_on_a_users_reward_module_and_resumes_with_it(tmp_path, monke
     out = tmp_path / "run"
     common = ["--model", str(tiny_model_dir(tmp_path)), "--output-dir", str(out), "--num-steps",
               "4", "--group-size", "2", "--prompts-per-step", "2", "--micro-batch-size", "4",
-              "--chunks", "3", "--eval-every", "0", "--image-grid-every", "0", "--progress",
-              "false", "--checkpoint-every", "1", "--eval-hybrid-steps", "2"]
+              "--chunks", "3", "--sde-window", "3", "--eval-every", "0", "--image-grid-every", "0",
+              "--progress", "false", "--checkpoint-every", "1", "--eval-hybrid-steps", "2"]
     main([*common, "--reward", "user_rewards_e2e:test_user_darkness", "--max-steps", "1"])
     assert load_saved_config(out / "config.yaml").get("reward") == (
         "user_rewards_e2e:test_user_darkness")

@@ -392,7 +392,7 @@ def _lora_trainer(ema_decay: float):
         policy=SimpleNamespace(transformer=real), optimizer=optimizer,
         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
         ema=EMA(named, ema_decay) if ema_decay else None, layout=SimpleNamespace(sizes=(2, 2)),
-        chunk_weights=None, cfg=build_config(None, {}), counts={}), named
+        chunk_weights=None, cfg=build_config(None, {}), counts={}, chunk_counts=[0, 0]), named
 
 
 @pytest.mark.parametrize("ema_decay", [0.0, 0.9])
