@@ -99,7 +99,7 @@ RUN_FIXED = dict(eval_every=0, eval_images=1, final_eval_images=1, eval_hybrid_s
 TIME_LIMITED_MAX_STEPS = 1_000_000  # with a time budget the clock, not the step count, stops
 
 # --quick: the whole default ablation (7 cells x 3 seeds) in about 21 minutes on one core of the
-# 2-core AVX2 CPU, from measured CPU seconds (see the README's ablation section): 45 s of training
+# 2-core AVX2 CPU, from measured CPU seconds (docs/results/ablation.md): 45 s of training
 # per run at 2 prompts x 8 images per iteration (~9.5 s each, ~5 iterations), 16 eval images.
 QUICK = dict(minutes=0.75, eval_images=16)
 QUICK_BASE = dict(prompts_per_step=2)  # unless passed: a default iteration (64 images) takes ~35 s

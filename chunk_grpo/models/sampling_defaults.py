@@ -61,4 +61,4 @@ def apply_sampling_size(policy, height: int | None, width: int | None, *, source
             f"model {source} has no {CONFIG_NAME}, so its image size is unknown (FLUX.1-dev's "
             f"1024x1024 takes minutes per image on a CPU): set {how} (e.g. 1024 for FLUX.1-dev), "
             f"or write {CONFIG_NAME} beside the model with height, width and the other sampling "
-            f"settings (see the README)")
+            f"settings (see docs/guides/configuration.md)")

@@ -32,7 +32,7 @@ _EXAMPLE = "e.g. judge:http://127.0.0.1:8000 or judge:configs/judges/qwen2_5_vl_
 
 @dataclass
 class JudgeOptions:
-    """How a judge is asked and how its answer becomes a score (README: "VLM judges")."""
+    """How a judge is asked and how its answer becomes a score (docs/guides/rewards.md)."""
 
     base_url: str = ""  # http(s)://HOST[:PORT][/PREFIX]; requests go to .../v1/chat/completions
     model: str = ""  # the served model name; "" = left out (a server with one model uses it)
