@@ -46,6 +46,7 @@ DEPENDENCIES = [
     "scipy>=1.10",
     "pillow>=10",
     "pyyaml>=6",
+    "draccus>=0.11,<0.12",  # the config: YAML and --section.key flags into the dataclasses
     "tqdm>=4.66",
     "tensorboard>=2.16",
     "protobuf>=4",

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from chunk_grpo.config.schema import build_config
+from chunk_grpo.config.parsing import build_config
 from chunk_grpo.models.sampling_defaults import SamplingDefaults
 from chunk_grpo.models.tiny import build_tiny_flux_pipeline
 from chunk_grpo.plan.memory import GB, PHASES, format_plan, plan_for_config

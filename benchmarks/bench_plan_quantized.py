@@ -30,7 +30,7 @@ from pathlib import Path
 
 from bench_plan_check import TOLERANCE, write_config, write_model
 
-from chunk_grpo.config.schema import build_config
+from chunk_grpo.config.parsing import build_config
 from chunk_grpo.plan.memory import GB, PHASES, format_plan, plan_for_config
 
 REPO = Path(__file__).resolve().parents[1]

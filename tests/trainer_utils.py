@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from chunk_grpo.config.schema import build_config
+from chunk_grpo.config.parsing import build_config
 from chunk_grpo.models import SamplingDefaults
 from chunk_grpo.models.tiny import build_tiny_flux_pipeline
 from chunk_grpo.rewards import register_reward
@@ -53,17 +53,21 @@ except ValueError:  # already registered by another test module
     pass
 
 
-def tiny_config(model_dir: Path, out_dir: Path, **overrides):
-    values = dict(model=str(model_dir), reward="test_brightness", output_dir=str(out_dir),
-                  num_steps=5, group_size=4, prompts_per_step=2, micro_batch_size=4,
-                  rollout_batch_size=8, chunks="2,2", max_steps=2, eval_images=4,
-                  final_eval_images=4,
-                  image_grid_every=0, progress=False, eta=0.7, lr=1e-3, eval_hybrid_steps=0,
-                  max_minutes=0, eval_every=0, checkpoint_every=0,
-                  # the mechanics under test: full fine-tuning, every step stochastic
-                  lora_rank=0, sde_window=0, shared_noise=False, mixed_precision="no",
-                  chunk_fraction=0.5)
-    values.update(overrides)
+def tiny_config(model_dir: Path, out_dir: Path, overrides: dict | None = None):
+    """A config of two tiny iterations on ``model_dir``, with ``overrides`` ({dotted key: value})
+    applied."""
+    values = {"model.name": str(model_dir), "reward.name": "test_brightness",
+              "run.output_dir": str(out_dir), "sampling.steps": 5, "sampling.group_size": 4,
+              "sampling.prompts_per_step": 2, "optim.micro_batch_size": 4,
+              "sampling.batch_size": 8, "chunks.spec": "2,2", "run.max_steps": 2,
+              "eval.images": 4, "eval.final_images": 4, "run.image_grid_every": 0,
+              "run.progress": False, "sampling.eta": 0.7, "optim.lr": 1e-3,
+              "eval.hybrid_steps": 0, "run.max_minutes": 0, "eval.every": 0,
+              "run.checkpoint_every": 0,
+              # the mechanics under test: full fine-tuning, every step stochastic
+              "model.lora_rank": 0, "sampling.sde_window": 0, "sampling.shared_noise": False,
+              "model.mixed_precision": "no", "chunks.fraction": 0.5}
+    values.update(overrides or {})
     return build_config(None, values)
 
 

@@ -34,7 +34,8 @@ import torch
 from tqdm.auto import tqdm
 
 from chunk_grpo.config.errors import ConfigError
-from chunk_grpo.config.schema import TrainConfig, build_config, flat_keys, load_yaml, parse_args
+from chunk_grpo.config.parsing import build_config, dotted_keys, load_yaml, parse_args
+from chunk_grpo.config.schema import TrainConfig
 from chunk_grpo.data.prompts import load_prompts
 from chunk_grpo.evaluate.evaluation import evaluate_policy
 from chunk_grpo.evaluate.stats import mean_ci95
@@ -57,45 +58,45 @@ class Cell:
 
 
 # What a cell varies; each cell sets all of these, so none leaks from one cell into another.
-_CHUNK_GRPO = dict(algorithm="chunk_grpo", chunk_size=None, weighted_chunks=False,
-                   chunk_fraction=1.0)
+_CHUNK_GRPO = {"sampling.algorithm": "chunk_grpo", "chunks.size": None, "chunks.weighted": False,
+               "chunks.fraction": 1.0}
 CELLS: dict[str, Cell] = {c.name: c for c in (
     Cell("step", "step-level GRPO: every transition its own chunk",
-         dict(_CHUNK_GRPO, chunks="step")),
+         {**_CHUNK_GRPO, "chunks.spec": "step"}),
     Cell("chunk2", "fixed chunks of 2 transitions (the last takes the remainder)",
-         dict(_CHUNK_GRPO, chunks="step", chunk_size=2)),
+         {**_CHUNK_GRPO, "chunks.spec": "step", "chunks.size": 2}),
     Cell("chunk4", "fixed chunks of 4 transitions (the last takes the remainder)",
-         dict(_CHUNK_GRPO, chunks="step", chunk_size=4)),
+         {**_CHUNK_GRPO, "chunks.spec": "step", "chunks.size": 4}),
     Cell("sequence", "the whole window as one chunk (sequence level)",
-         dict(_CHUNK_GRPO, chunks="sequence")),
+         {**_CHUNK_GRPO, "chunks.spec": "sequence"}),
     Cell("auto", "chunks from the temporal-dynamics profile",
-         dict(_CHUNK_GRPO, chunks="auto")),
+         {**_CHUNK_GRPO, "chunks.spec": "auto"}),
     Cell("auto-ws", "auto chunks, half of them trained per iteration, drawn by dynamics weight",
-         dict(_CHUNK_GRPO, chunks="auto", chunk_fraction=0.5, weighted_chunks=True)),
+         {**_CHUNK_GRPO, "chunks.spec": "auto", "chunks.fraction": 0.5,
+          "chunks.weighted": True}),
     Cell("g2rpo", "G2RPO: one branch step per iteration, finished at several strides",
-         dict(algorithm="g2rpo", chunks="step", chunk_size=None, weighted_chunks=False,
-              chunk_fraction=1.0)),
+         {"sampling.algorithm": "g2rpo", "chunks.spec": "step", "chunks.size": None,
+          "chunks.weighted": False, "chunks.fraction": 1.0}),
 )}
-CELL_KEYS = ("algorithm", "chunks", "chunk_size", "weighted_chunks", "chunk_fraction")
+CELL_KEYS = tuple(_CHUNK_GRPO)
 
 # The ablation's base on top of the trainer's defaults; flags passed through override these.
 # The reward is JPEG compressibility alone, the reward its measured results use
 # (docs/results/ablation.md); a --reward flag replaces it.
-ABLATION_DEFAULTS: dict[str, Any] = dict(sde_window=0, checkpoint_every=1, image_grid_every=0,
-                                         progress=False,  # one bar: the ablation's
-                                         reward="jpeg_compressibility")
+ABLATION_DEFAULTS: dict[str, Any] = {
+    "sampling.sde_window": 0, "run.checkpoint_every": 1, "run.image_grid_every": 0,
+    "run.progress": False,  # one bar: the ablation's
+    "reward.name": "jpeg_compressibility"}
 # Set by the ablation for every run; passing them through is an error that names the flag to use.
 RESERVED = {
-    "seed": "--seeds", "output_dir": "--out", "max_minutes": "--minutes",
-    "eval_images": "--eval-images (the ablation evaluates every run itself)",
-    "eval_every": "--eval-images (the ablation evaluates every run itself)",
-    "eval_hybrid_steps": "--eval-images (the ablation evaluates every run itself)",
-    "final_eval_images": "--eval-images (the ablation evaluates every run itself)",
+    "run.seed": "--seeds", "run.output_dir": "--out", "run.max_minutes": "--minutes",
+    **{key: "--eval-images (the ablation evaluates every run itself)"
+       for key in ("eval.images", "eval.every", "eval.hybrid_steps", "eval.final_images")},
     **{key: "--cells (the cells set it)" for key in CELL_KEYS},
 }
 # The trainer's own evaluation shrinks to one image at the end (the ablation evaluates itself);
 # the end-of-run evaluation in metrics.jsonl also marks a run that finished training.
-RUN_FIXED = dict(eval_every=0, eval_images=1, final_eval_images=1, eval_hybrid_steps=0)
+RUN_FIXED = {"eval.every": 0, "eval.images": 1, "eval.final_images": 1, "eval.hybrid_steps": 0}
 TIME_LIMITED_MAX_STEPS = 1_000_000  # with a time budget the clock, not the step count, stops
 
 # --quick: the whole default ablation (7 cells x 3 seeds) in about 21 minutes on one core of the
@@ -140,11 +141,10 @@ def base_values(yaml_path: str | None, flags: dict[str, Any]) -> dict[str, Any]:
     all of them). Raises ConfigError for a flag the ablation sets itself."""
     values = dict(ABLATION_DEFAULTS)
     # By flat name (an alias of each setting), whichever way the preset and flags spell them.
-    values.update(flat_keys(load_yaml(yaml_path) if yaml_path else {}, str(yaml_path)))
-    for key, value in flat_keys(flags, "the command line").items():
+    values.update(dotted_keys(load_yaml(yaml_path) if yaml_path else {}, str(yaml_path)))
+    for key, value in dotted_keys(flags, "the command line").items():
         if key in RESERVED:
-            raise ConfigError(f"--{key.replace('_', '-')} is set by the ablation; use "
-                              f"{RESERVED[key]}")
+            raise ConfigError(f"--{key} is set by the ablation; use {RESERVED[key]}")
         values[key] = value
     for key in RESERVED:  # a YAML preset may name them: the ablation decides
         values.pop(key, None)
@@ -153,15 +153,15 @@ def base_values(yaml_path: str | None, flags: dict[str, Any]) -> dict[str, Any]:
 
 def run_values(base: dict[str, Any], minutes: float) -> dict[str, Any]:
     """The base values of every run: the budget and the settings the ablation fixes."""
-    values = {**base, **RUN_FIXED, "max_minutes": minutes}
-    if minutes > 0 and "max_steps" not in base:
-        values["max_steps"] = TIME_LIMITED_MAX_STEPS
+    values = {**base, **RUN_FIXED, "run.max_minutes": minutes}
+    if minutes > 0 and "run.max_steps" not in base:
+        values["run.max_steps"] = TIME_LIMITED_MAX_STEPS
     return values
 
 
 def cell_config(base: dict[str, Any], cell: Cell, seed: int, minutes: float) -> TrainConfig:
     """The trainer config of one (cell, seed) run. Raises ConfigError naming the cell."""
-    values = {**run_values(base, minutes), **cell.overrides, "seed": seed}
+    values = {**run_values(base, minutes), **cell.overrides, "run.seed": seed}
     try:
         cfg = build_config(None, values)
     except ConfigError as err:
@@ -172,7 +172,7 @@ def cell_config(base: dict[str, Any], cell: Cell, seed: int, minutes: float) -> 
             f"cell {cell.name}: chunk size {size} exceeds the {cfg.num_trained} trained "
             f"transitions (num_steps {cfg.sampling.steps}, sde_window "
             f"{cfg.sampling.sde_window}); use "
-            f"--sde-window 0 (every step) or a larger one, or leave the cell out with --cells")
+            f"--sampling.sde_window 0 (every step) or a larger one, or leave the cell out with --cells")
     return cfg
 
 
@@ -435,8 +435,8 @@ def run_ablation(out: Path, cells: list[Cell], seeds: list[int], base: dict[str,
     """Run (or finish) every (cell, seed), write table.md and curves.png; returns the table."""
     if minutes < 0:
         raise ConfigError(f"--minutes must be >= 0 (0 = no time limit), got {minutes}")
-    if minutes == 0 and "max_steps" not in base:
-        raise ConfigError("--minutes 0 needs --max-steps N (equal iterations instead of equal "
+    if minutes == 0 and "run.max_steps" not in base:
+        raise ConfigError("--minutes 0 needs --run.max_steps N (equal iterations instead of equal "
                           "time)")
     if count < 2:
         raise ConfigError(f"--eval-images must be >= 2 (a paired gain needs images), got {count}")

@@ -174,7 +174,7 @@ def run(out: Path, config: Path) -> dict:
     import torch
     import torch.distributed as dist
 
-    from chunk_grpo.config.schema import build_config
+    from chunk_grpo.config.parsing import build_config
     from chunk_grpo.plan.memory import GB, plan_for_config
     from chunk_grpo.train import loop as train_module
     from chunk_grpo.train.metrics import read_metrics

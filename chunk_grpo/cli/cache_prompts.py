@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from chunk_grpo.config.errors import ConfigError
-from chunk_grpo.config.schema import build_config, parse_args
+from chunk_grpo.config.parsing import build_config, parse_args
 
 if TYPE_CHECKING:
     from chunk_grpo.models.prompt_cache import CacheFill

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from chunk_grpo.config.cli_args import OneLineArgumentParser, nonnegative_int
 from chunk_grpo.config.errors import ConfigError
-from chunk_grpo.config.schema import build_config, parse_args
+from chunk_grpo.config.parsing import build_config, parse_args
 
 PROG = "python -m chunk_grpo.gradient_snr"
 

@@ -7,8 +7,9 @@ Prints the parts of the run and the peak of each phase (load, prompt caching, te
 profile, rollout, reward, training, evaluation, checkpoint save, export) per GPU and per host
 (`chunk_grpo.plan.memory`), "fits" or "does not fit" with the peak phase and the margin, and the
 levers that would cut the peak, by effect. Every flag of ``chunk-grpo train`` overrides the
-config (``--model DIR``, ``--lora-rank 64``, ``--parallelism fsdp``, ...). ``--json FILE``
-writes the numbers, the phases among them. ``--gpus-per-node N`` sets the ranks a host holds.
+config (``--model.name DIR``, ``--model.lora_rank 64``, ``--parallel.mode fsdp``, ...).
+``--json FILE`` writes the numbers, the phases among them. ``--gpus-per-node N`` sets the ranks
+a host holds.
 Exit status: 0 when the plan fits, 1 when it does not, 2 for a bad flag or config.
 """
 
@@ -26,7 +27,7 @@ from chunk_grpo.config.cli_args import (
     positive_int,
 )
 from chunk_grpo.config.errors import ConfigError
-from chunk_grpo.config.schema import build_config, parse_args
+from chunk_grpo.config.parsing import build_config, parse_args
 
 if TYPE_CHECKING:
     from chunk_grpo.plan.memory import Plan
@@ -42,7 +43,7 @@ def plan_parser(prog: str = PROG) -> OneLineArgumentParser:
                     "per GPU and per host, from its parts (weights, gradients, optimizer state, "
                     "activations measured with FakeTensor, frozen models, reward), and whether "
                     "it fits. Other flags are those of "
-                    "chunk_grpo.train (--config, --model, --lora-rank, ...).")
+                    "chunk_grpo.train (--config, --model.name, --model.lora_rank, ...).")
     p.add_argument("--gpus", type=positive_int, default=1, help="GPUs (world size; default 1)")
     p.add_argument("--gpu-memory", type=positive_float, default=80.0, metavar="GB",
                    help="memory per GPU in GB (default 80)")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from chunk_grpo.config.errors import ConfigError
-from chunk_grpo.config.schema import build_config, load_yaml, parse_args
+from chunk_grpo.config.parsing import build_config, load_yaml, parse_args
 
 PROG = "python -m chunk_grpo.train"
 
@@ -23,8 +23,8 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> Path:
         if not load_yaml(run_dir / "config.yaml"):
             raise ConfigError(f"--resume {resume}: its config.yaml is empty; "
                               "restore it (its checkpoints were saved with it)")
-        # The saved config (nested, or flat from an earlier version), then the flags.
-        cfg = build_config(run_dir / "config.yaml", overrides)
+        # The saved config (from any version: `migrate_saved`), then the flags.
+        cfg = build_config(run_dir / "config.yaml", overrides, saved=True)
     else:
         if trust:
             raise ConfigError("--trust-checkpoint goes with --resume DIR (it lets a checkpoint "

@@ -7,9 +7,13 @@ as a standalone library must; a test checks the two agree.)
 
 from __future__ import annotations
 
-SDE_KINDS = ("flow", "dance", "cps", "cps_mse")  # the stochastic samplers (grpo_kernels' kinds)
+from typing import Literal, get_args
+
+SDEKind = Literal["flow", "dance", "cps", "cps_mse"]  # the stochastic samplers (grpo_kernels')
+DecodeTarget = Literal["final", "x0"]  # decode the final latent, or the last step's x0 prediction
+SDE_KINDS: tuple[str, ...] = get_args(SDEKind)
 SAMPLERS = ("ode", *SDE_KINDS)  # what plain generation may use
-DECODE_TARGETS = ("final", "x0")  # decode the final latent, or the last step's x0 prediction
+DECODE_TARGETS: tuple[str, ...] = get_args(DecodeTarget)
 
 
 def check_sde_kind(kind: str, error: type[ValueError] = ValueError) -> None:
@@ -27,8 +31,9 @@ def check_antithetic(antithetic: bool, group_size: int,
                      error: type[ValueError] = ValueError) -> None:
     """Antithetic noise pairs rows 2i and 2i+1 of a group, so a group must hold whole pairs."""
     if antithetic and group_size % 2:
-        raise error(f"antithetic_noise pairs the images of a group: group_size must be even, "
-                    f"got {group_size}; give an even group_size or turn antithetic_noise off")
+        raise error(f"sampling.antithetic_noise pairs the images of a group: sampling.group_size "
+                    f"must be even, got {group_size}; give an even group size or turn "
+                    "antithetic noise off")
 
 
 def resolve_cfg_scale(policy, cfg_scale: float | None) -> float:

@@ -60,7 +60,8 @@ def chunk_sizes(spec: str, num_trained: int, chunk_size: int | None = None
     if sum(sizes) != num_trained:
         raise ChunkSpecError(
             f"chunk sizes {spec!r} sum to {sum(sizes)} but there are {num_trained} trained "
-            f"transitions (num_steps - 1, or sde_window); make them sum to {num_trained}")
+            f"transitions (sampling.steps - 1, or sampling.sde_window); make them sum to "
+            f"{num_trained}")
     return sizes
 
 

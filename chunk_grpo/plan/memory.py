@@ -276,7 +276,8 @@ def _resolved_size(cfg: TrainConfig) -> tuple[int, int, int]:
     defaults = SamplingDefaults.load(local) if found else SamplingDefaults()
     if (cfg.model.height is None or cfg.model.width is None) and not found:
         raise ConfigError(f"model {name} has no {CONFIG_NAME}, so the plan needs the image "
-                          f"size: set height and width (e.g. --height 720 --width 720)")
+                          f"size: set model.height and model.width (e.g. --model.height 720 "
+                          "--model.width 720)")
     return (cfg.model.height or defaults.height, cfg.model.width or defaults.width,
             defaults.max_sequence_length)
 

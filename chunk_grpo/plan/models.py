@@ -70,7 +70,7 @@ def resolve_model_configs(model: str) -> ModelConfigs:
         missing = [str(p) for p in paths.values() if not p.is_file()]
         if missing:
             raise ValueError(f"model directory {local} lacks {', '.join(missing)}; give a "
-                             f"diffusers FLUX directory (or a hub id) as --model")
+                             f"diffusers FLUX directory (or a hub id) as model.name")
         source = f"{local} (its config.json files)"
     else:
         cached = {c: _cached_file(name, f"{c}/config.json") for c in FLUX_DEV_FILES}

@@ -1,5 +1,6 @@
 """A VLM judge behind an OpenAI-compatible chat-completions API (vLLM, SGLang, ...) as a reward:
-``--reward judge:http://HOST:PORT`` or ``--reward judge:OPTIONS.yaml`` (`judge_options`).
+``--reward.name judge:http://HOST:PORT`` or ``--reward.name judge:OPTIONS.yaml``
+(`judge_options`).
 
 Each image is one request, ``POST {base_url}/v1/chat/completions``: a user message with the image
 (a PNG or JPEG ``data:`` URL in an ``image_url`` part) and the template's text with the prompt,

@@ -1,7 +1,7 @@
 """Rewards by name: `register_reward("name")` on a factory, `get_reward("name", **kwargs)`.
 
 Your own reward needs no change to this package: register it in a module of yours and name it
-as "module:name" (e.g. `--reward my_rewards:redness`); `get_reward` imports the module first,
+as "module:name" (e.g. `--reward.name my_rewards:redness`); `get_reward` imports the module first,
 which runs its `@register_reward` decorators. "remote:URL" is the client of a reward server
 (`chunk_grpo.rewards.remote`) and "judge:URL" / "judge:OPTIONS.yaml" a VLM judge behind an
 OpenAI-compatible API (`chunk_grpo.rewards.judge`), never modules. A weighted mix of rewards is

@@ -1,4 +1,4 @@
-"""The client of a reward server (`chunk_grpo.rewards.server`): ``--reward
+"""The client of a reward server (`chunk_grpo.rewards.server`): ``--reward.name
 remote:http://HOST:PORT``.
 
 Each call POSTs the images (as 8-bit pixels) and prompts to ``URL/score`` and returns the

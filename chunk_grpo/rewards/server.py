@@ -5,7 +5,7 @@
         [--score-timeout S]
 
 NAME is any reward spec the trainer takes (a registered name, ``module:name``, or a mix
-``a=1.0,b=0.5``); the trainer then uses ``--reward remote:http://HOST:P``
+``a=1.0,b=0.5``); the trainer then uses ``--reward.name remote:http://HOST:P``
 (`chunk_grpo.rewards.remote`). ``--port 0`` picks a free port. The first line on stdout is
 ``reward server: serving 'NAME' on http://HOST:PORT``.
 

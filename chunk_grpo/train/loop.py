@@ -58,7 +58,8 @@ from chunk_grpo.config.errors import (
     TrainingDiverged,
     interruption,
 )
-from chunk_grpo.config.schema import TrainConfig, build_config, save_config
+from chunk_grpo.config.parsing import config_from_saved, save_config
+from chunk_grpo.config.schema import TrainConfig
 from chunk_grpo.models.prompt_cache import setup_text_encoders
 from chunk_grpo.plan.bounds import check_train_memory
 from chunk_grpo.plan.memory import check_plan
@@ -283,7 +284,7 @@ def _warn_if_constant(tr: Trainer, rewards: dict[str, torch.Tensor], step: int) 
         tqdm.write(f"[chunk-grpo] warning: reward {c.name!r} gave the same score to every image "
                    f"of each group at step {step + 1}: its advantages are all 0, so it gives no "
                    f"learning signal. Check that it depends on the images (python -m "
-                   f"chunk_grpo.gradient_snr --reward {c.name})")
+                   f"chunk_grpo.gradient_snr --reward.name {c.name})")
 
 
 # ----------------------------------------------------------------------------- the run
@@ -302,8 +303,8 @@ def run(cfg: TrainConfig, *, run_dir: str | Path | None = None, resume: bool = F
     max_minutes) was changed.
     """
     if cfg.run.max_steps == 0 and not resume:
-        raise ConfigError("max_steps is 0: a run with no iteration trains nothing; give "
-                          "--max-steps N (N >= 1)")
+        raise ConfigError("run.max_steps is 0: a run with no iteration trains nothing; give "
+                          "--run.max_steps N (N >= 1)")
     # Before the run directory: a bad prompt file, a misspelt or failing reward or a bad model
     # path leaves nothing behind.
     prompt_sets = read_prompt_sets(cfg)
@@ -421,16 +422,17 @@ def _finished_unchanged(cfg: TrainConfig, saved, run_dir: Path, info: D.DistInfo
     finished = finished_complete(run_dir, step, export_targets(run_dir, cfg.run.export,
                                                                cfg.model.lora_rank > 0))
     if asked < step:
-        raise ConfigError(f"{run_dir} is at step {step}, beyond max_steps {asked}: nothing to "
-                          f"train and nothing changed; give --max-steps above {step} to train "
-                          "further")
-    before = build_config(None, saved.state["config"]).run
+        raise ConfigError(f"{run_dir} is at step {step}, beyond run.max_steps {asked}: nothing "
+                          f"to train and nothing changed; give --run.max_steps above {step} to "
+                          "train further")
+    before = config_from_saved(saved.state["config"]).run
     more = asked > step and (asked > before.max_steps or cfg.run.max_minutes != before.max_minutes)
     if not finished or more:
         return False
     if info.is_main:
         print(f"[chunk-grpo] {run_dir} finished at step {step} (summary.txt and the exports "
-              f"kept); nothing changed: give --max-steps above {step} to train further",
+              f"kept); nothing changed: give --run.max_steps above {step} to train "
+              "further",
               flush=True)
     return True
 

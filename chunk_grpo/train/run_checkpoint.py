@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from chunk_grpo.config.errors import ConfigError
-from chunk_grpo.config.schema import PATHS, TrainConfig, build_config
+from chunk_grpo.config.parsing import config_from_saved
+from chunk_grpo.config.schema import PATHS, TrainConfig
 from chunk_grpo.runtime.parallelize import all_finite, is_sharded
 from chunk_grpo.train.checkpoint import (
     STATE,
@@ -116,7 +117,7 @@ FIXED_ON_RESUME = ("model.name", "model.lora_rank", "model.lora_alpha", "model.l
 def check_fixed_keys(cfg: TrainConfig, resume: Resume) -> None:
     """A ConfigError naming every `FIXED_ON_RESUME` key whose value differs from the one the
     checkpoint was saved with (nothing is changed)."""
-    saved = build_config(None, resume.state["config"])
+    saved = config_from_saved(resume.state["config"])
     changed = [f"{path} {saved.get(path)!r} -> {cfg.get(path)!r}" for path in FIXED_ON_RESUME
                if saved.get(path) != cfg.get(path)]
     if changed:
@@ -158,7 +159,7 @@ def apply_resume_changes(tr: Trainer, resume: Resume) -> str | None:
     optimizer's lr, betas, eps and weight decay, the schedule's length and shape, the EMA
     decay; everything else is read from the config as the run goes), and return the line that
     lists every changed key (None: nothing changed)."""
-    saved, cfg = build_config(None, resume.state["config"]), tr.cfg
+    saved, cfg = config_from_saved(resume.state["config"]), tr.cfg
     changed = [path for path in PATHS if path in (*OPTIMIZER_ON_RESUME, *APPLIED_ON_RESUME)
                and saved.get(path) != cfg.get(path)]
     if not changed:
@@ -182,7 +183,7 @@ def config_for_world(cfg: TrainConfig, resume: Resume, world_size: int) -> tuple
     """The config to resume with at ``world_size``: the per-rank prompts and grad_accum that
     keep the checkpoint's global batch (or the prompts_per_step given on resume), and the line
     that says what changed (None: nothing). A batch that cannot be split is a WorldSizeError."""
-    saved_cfg = build_config(None, resume.state["config"])
+    saved_cfg = config_from_saved(resume.state["config"])
     saved_world = resume.state.get("world_size", 1)
     saved_prompts = saved_cfg.sampling.prompts_per_step
     asked = cfg.sampling.prompts_per_step

@@ -279,7 +279,8 @@ def load_policy(cfg: TrainConfig, device: torch.device,
         apply_sampling_size(policy, cfg.model.height, cfg.model.width,
                             source=model_path(cfg.model.name),
                             found_file=policy.sampling_file_found,
-                            how="height and width (--height H --width W, or in the YAML)")
+                            how="model.height and model.width (--model.height H --model.width W, "
+                                "or in the YAML)")
         policy.set_guidance(cfg.model.guidance)
     except ValueError as err:
         raise ConfigError(str(err)) from None
@@ -299,9 +300,9 @@ def load_checked_policy(cfg: TrainConfig, device: torch.device,
                           "latent grid divides") from None
     eval_steps = policy.defaults.num_steps  # evaluation samples as `chunk_grpo.evaluate` does
     if cfg.eval.hybrid_steps > eval_steps:
-        raise ConfigError(f"eval_hybrid_steps={cfg.eval.hybrid_steps} exceeds the {eval_steps} "
+        raise ConfigError(f"eval.hybrid_steps={cfg.eval.hybrid_steps} exceeds the {eval_steps} "
                           f"steps evaluation samples with (the model's default num_steps); set "
-                          f"--eval-hybrid-steps to at most {eval_steps}, or 0 to skip hybrid "
+                          f"--eval.hybrid_steps to at most {eval_steps}, or 0 to skip hybrid "
                           f"evaluation")
     return policy
 

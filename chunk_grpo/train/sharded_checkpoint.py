@@ -348,7 +348,7 @@ def resume_batch_plan(*, saved_world_size: int, saved_prompts_per_step: int,
             f"the checkpoint's global batch ({saved_prompts_per_step} prompts x "
             f"{saved_world_size} ranks = {total} per iteration, grad_accum {saved_grad_accum}) "
             f"cannot be split over {world_size} ranks; resume on {', '.join(map(str, fits))} "
-            f"rank(s), or pass --prompts-per-step to change the global batch")
+            f"rank(s), or pass --sampling.prompts_per_step to change the global batch")
     pps, accum = total // world_size, accum_total // world_size
     accum_note = f" and grad_accum {saved_grad_accum} -> {accum}" if saved_grad_accum else ""
     return BatchPlan(pps, accum,

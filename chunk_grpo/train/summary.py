@@ -269,7 +269,7 @@ def summary_text(*, run_dir: Path, reward: str, comparisons: list[Comparison], i
         lines.append(f"weights   {exports['transformer']} (the merged FluxTransformer2DModel "
                      "alone)")
     lines.append(f"resume    python -m chunk_grpo.train --resume {shlex.quote(str(run_dir))} "
-                 "--max-steps N --max-minutes M")
+                 "--run.max_steps N --run.max_minutes M")
     lines.append("=" * 72)
     return "\n".join(lines)
 

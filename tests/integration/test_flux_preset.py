@@ -17,7 +17,7 @@ import pytest
 from diffusers import FlowMatchEulerDiscreteScheduler
 from hpsv3_tiny import save_tiny_hpsv3
 
-from chunk_grpo.config.schema import build_config, load_saved_config
+from chunk_grpo.config.parsing import build_config, load_saved_config
 from chunk_grpo.models.sampling_defaults import CONFIG_NAME
 from chunk_grpo.models.tiny import build_tiny_flux_pipeline
 from chunk_grpo.train.checkpoint import latest_checkpoint

@@ -50,8 +50,10 @@ def blocking_reward(tmp_path, monkeypatch):
 
 
 def test_a_reward_past_its_timeout_stops_the_run_in_one_line(tmp_path, capsys, blocking_reward):
-    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", reward=blocking_reward,
-                      reward_timeout=0.5, max_steps=3, checkpoint_every=1)
+    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", {"reward.name": blocking_reward,
+                                                                   "reward.timeout": 0.5,
+                                                                   "run.max_steps": 3,
+                                                                   "run.checkpoint_every": 1})
     capsys.readouterr()
     start = time.monotonic()
     with pytest.raises(SystemExit) as stop:

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 from trainer_utils import tiny_config, tiny_model_dir
 
-from chunk_grpo.config.schema import save_config
+from chunk_grpo.config.parsing import save_config
 
 pytestmark = pytest.mark.slow  # each torchrun job starts 2 Python processes
 
@@ -27,8 +27,8 @@ WEIGHT_ATOL = 1e-5
 
 
 def _config(model: Path, out: Path, **overrides):
-    settings = dict(reward="jpeg_compressibility", max_steps=2, checkpoint_every=1, lr=1e-2,
-                    adam_eps=1e-3)
+    settings = {"reward.name": "jpeg_compressibility", "run.max_steps": 2,
+                "run.checkpoint_every": 1, "optim.lr": 1e-2, "optim.eps": 1e-3}
     return tiny_config(model, out, **{**settings, **overrides})
 
 

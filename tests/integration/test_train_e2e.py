@@ -11,7 +11,7 @@ from chunk_grpo.cli import evaluate as evaluate_cli
 from chunk_grpo.cli.runner import run_command
 from chunk_grpo.cli.train import main
 from chunk_grpo.config.errors import ConfigError
-from chunk_grpo.config.schema import load_saved_config
+from chunk_grpo.config.parsing import load_saved_config
 from chunk_grpo.models import FluxPolicy
 from chunk_grpo.models.loading import ModelLoadError
 from chunk_grpo.rewards import register_reward
@@ -129,7 +129,7 @@ def test_cli_trains_on_a_users_reward_module_and_resumes_with_it(tmp_path, monke
 
 def test_hybrid_steps_beyond_the_evaluation_steps_fail_before_training(tmp_path):
     # The tiny model samples evaluations in 5 steps; the default eval_hybrid_steps is 8.
-    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", eval_hybrid_steps=8)
+    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", {"eval.hybrid_steps": 8})
     with pytest.raises(ConfigError, match="eval_hybrid_steps=8 exceeds the 5 steps"):
         run(cfg)
     assert not (tmp_path / "run").exists()
@@ -137,13 +137,13 @@ def test_hybrid_steps_beyond_the_evaluation_steps_fail_before_training(tmp_path)
 
 def test_a_misspelt_reward_or_missing_model_fails_first_and_leaves_no_run_directory(tmp_path,
                                                                                       capsys):
-    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", reward="test_brightnes")
+    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", {"reward.name": "test_brightnes"})
     capsys.readouterr()  # the tiny model's save progress bars
     with pytest.raises(ConfigError, match="unknown reward 'test_brightnes' \\(did you mean "
                                           "'test_brightness'\\?\\)"):
         run(cfg)
     assert not (tmp_path / "run").exists()
-    odd = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", height=63)
+    odd = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", {"model.height": 63})
     with pytest.raises(ConfigError, match="height and width must be multiples of 8, got 63x32"):
         run(odd)
     assert not (tmp_path / "run").exists()
@@ -155,7 +155,7 @@ def test_a_misspelt_reward_or_missing_model_fails_first_and_leaves_no_run_direct
     assert capsys.readouterr().err.startswith(
         "python -m chunk_grpo.train: error: reward: unknown reward 'test_brightnes'")
     # A model that cannot be loaded, when the command lists its error type: the same one line.
-    missing = tiny_config(tmp_path, tmp_path / "run2", model=str(tmp_path / "no-model"))
+    missing = tiny_config(tmp_path, tmp_path / "run2", {"model.name": str(tmp_path / "no-model")})
     with pytest.raises(SystemExit) as stop:
         run_command(lambda: run(missing), "prog", errors=(ModelLoadError,))
     assert stop.value.code == 2 and "prog: error: " in capsys.readouterr().err
@@ -167,8 +167,10 @@ def test_a_misspelt_reward_or_missing_model_fails_first_and_leaves_no_run_direct
 def test_nonfinite_rewards_skip_steps_then_stop(tmp_path):
     NanAfterFirst.calls = 0
     model = tiny_model_dir(tmp_path)
-    cfg = tiny_config(model, tmp_path / "run", reward="test_nan_after_first", max_steps=6,
-                      checkpoint_every=1, max_bad_steps=2)
+    cfg = tiny_config(model, tmp_path / "run", {"reward.name": "test_nan_after_first",
+                                                "run.max_steps": 6,
+                                                "run.checkpoint_every": 1,
+                                                "run.max_bad_steps": 2})
     with pytest.raises(TrainingDiverged, match="2 iterations in a row had NaN/Inf"):
         run(cfg)
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
@@ -180,8 +182,11 @@ def test_nonfinite_rewards_skip_steps_then_stop(tmp_path):
 
 def test_lora_with_reference_kl_and_merged_export(tmp_path):
     model = tiny_model_dir(tmp_path)
-    cfg = tiny_config(model, tmp_path / "run", max_steps=1, lora_rank=4, kl_coef=0.1,
-                      kl_ref="reference", lr=1e-2, optimizer="adamw8bit")
+    cfg = tiny_config(model, tmp_path / "run", {"run.max_steps": 1, "model.lora_rank": 4,
+                                                "loss.kl_coef": 0.1,
+                                                "loss.kl_ref": "reference",
+                                                "optim.lr": 1e-2,
+                                                "optim.name": "adamw8bit"})
     out = run(cfg)
     records = read_metrics(out / "metrics.jsonl")
     assert "ref_kl" in records[0] and records[0]["optimizer_steps"] == 1
@@ -210,8 +215,9 @@ def test_lora_with_reference_kl_and_merged_export(tmp_path):
 
 def test_eval_gain_vs_base_is_exactly_zero_before_training(tmp_path):
     # LoRA starts with B = 0: the policy samples the base's images bit for bit.
-    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", lora_rank=4,
-                      eval_hybrid_steps=2, eval_images=3)
+    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", {"model.lora_rank": 4,
+                                                                   "eval.hybrid_steps": 2,
+                                                                   "eval.images": 3})
     tr = build_trainer(cfg, tmp_path / "run", init_distributed("cpu"))
     out = evaluate(tr, 0)
     assert out["eval/gain_vs_base"] == 0.0 and out["eval_hybrid/gain_vs_base"] == 0.0
@@ -251,9 +257,12 @@ def test_a_guard_that_falls_beyond_eval_guard_stop_ends_the_run_cleanly(tmp_path
 
     # The base is evaluated at step 1 (before the fall) and cached; at step 2 the policy's guard
     # is 0.5 below it on all 4 images: the CI (width 0) lies below -0.1, so the run stops.
-    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", max_steps=6, eval_every=1,
-                      eval_hybrid_steps=2, eval_images=4, final_eval_images=4,
-                      **{"eval.guard_reward": "test_falling_guard", "eval.guard_stop": 0.1})
+    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", {"run.max_steps": 6,
+                                                                   "eval.every": 1,
+                                                                   "eval.hybrid_steps": 2,
+                                                                   "eval.images": 4,
+                                                                   "eval.final_images": 4,
+                                                                   **{"eval.guard_reward": "test_falling_guard", "eval.guard_stop": 0.1}})
     try:
         out = run(cfg, on_step_end=fall_after_step_1)
     finally:
@@ -288,8 +297,8 @@ def test_the_guard_changes_nothing_the_run_trains(tmp_path):
     model = tiny_model_dir(tmp_path)
     runs = {}
     for guard in ("none", "shapes"):
-        out = run(tiny_config(model, tmp_path / guard, max_steps=3,
-                              **{"eval.guard_reward": guard}))
+        out = run(tiny_config(model, tmp_path / guard, {"run.max_steps": 3,
+                                                        **{"eval.guard_reward": guard}}))
         runs[guard] = read_metrics(out / "metrics.jsonl")
     assert not any(k.startswith("guard/") for r in runs["none"] for k in r)
     assert all("guard/shapes_mean" in r for r in runs["shapes"])
@@ -305,8 +314,8 @@ def test_a_guard_that_cannot_score_the_training_prompts(tmp_path, capsys):
     prompts.write_text("a purple dog\na moon over a lake\n")
     model = tiny_model_dir(tmp_path)
     # named in eval.guard_reward: an error before the run directory exists
-    named = tiny_config(model, tmp_path / "named", train_prompts=str(prompts),
-                        **{"eval.guard_reward": "shapes"})
+    named = tiny_config(model, tmp_path / "named", {"data.train_prompts": str(prompts),
+                                                    **{"eval.guard_reward": "shapes"}})
     with pytest.raises(ConfigError, match=r"^eval.guard_reward 'shapes' cannot score "
                                           r"train_prompts: .*'a purple dog'.*; choose another "
                                           r"eval.guard_reward, or none$"):
@@ -314,8 +323,9 @@ def test_a_guard_that_cannot_score_the_training_prompts(tmp_path, capsys):
     assert not (tmp_path / "named").exists()
     # auto (the shapes checks for the shapes: evaluation prompts): scored at evaluations only
     capsys.readouterr()
-    out = run(tiny_config(model, tmp_path / "auto", train_prompts=str(prompts), max_steps=1,
-                          eval_hybrid_steps=2))
+    out = run(tiny_config(model, tmp_path / "auto", {"data.train_prompts": str(prompts),
+                                                     "run.max_steps": 1,
+                                                     "eval.hybrid_steps": 2}))
     assert "it is scored at the evaluations only" in capsys.readouterr().out
     record = read_metrics(out / "metrics.jsonl")[0]
     assert not any(k.startswith("guard/") for k in record) and "eval/guard/shapes_mean" in record

@@ -54,8 +54,11 @@ def test_training_moves_held_out_images_the_rewarded_way(tmp_path, reward, sign,
     model = tiny_model_dir(tmp_path)
     # Full fine-tuning (the tiny random model's brightness hardly depends on its attention, so
     # attention LoRA would learn too slowly for a test), every step stochastic, all chunks.
-    run(tiny_config(model, tmp_path / "run", reward=reward, max_steps=16, lr=1e-2,
-                    chunk_fraction=1.0, algorithm=algorithm, shared_noise=algorithm == "g2rpo"))
+    run(tiny_config(model, tmp_path / "run", {"reward.name": reward, "run.max_steps": 16,
+                                              "optim.lr": 1e-2,
+                                              "chunks.fraction": 1.0,
+                                              "sampling.algorithm": algorithm,
+                                              "sampling.shared_noise": algorithm == "g2rpo"}))
     change = _brightness_change(model, tmp_path / "run")
     # Measured: +0.027 (brightness; G2RPO +0.067) with a per-image s.d. of 0.002-0.003, i.e.
     # every image moved.

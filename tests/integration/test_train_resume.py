@@ -85,7 +85,8 @@ def test_resume_flag_continues_the_saved_run(tmp_path):
     from chunk_grpo.config.errors import ConfigError
 
     model = tiny_model_dir(tmp_path)
-    first = run(tiny_config(model, tmp_path / "run", max_steps=2, checkpoint_every=1))
+    first = run(tiny_config(model, tmp_path / "run", {"run.max_steps": 2,
+                                                      "run.checkpoint_every": 1}))
     assert latest_checkpoint(first).name == "step-00000002"
     resumed = main(["--resume", str(first), "--max-steps", "3"])
     assert resumed == first
@@ -104,7 +105,7 @@ def _files(run_dir):
             for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name != ".lock"}
 
 
-FINISHING = dict(max_steps=2, checkpoint_every=1, eval_hybrid_steps=2)
+FINISHING = {"run.max_steps": 2, "run.checkpoint_every": 1, "eval.hybrid_steps": 2}
 
 
 def test_resuming_a_finished_run_changes_nothing_unless_max_steps_is_raised(tmp_path, capsys):
@@ -142,7 +143,7 @@ def test_max_steps_0_on_a_fresh_run_is_refused_before_the_run_directory(tmp_path
     from chunk_grpo.config.errors import ConfigError
 
     with pytest.raises(ConfigError, match="max_steps is 0"):
-        run(tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", max_steps=0))
+        run(tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", {"run.max_steps": 0}))
     assert not (tmp_path / "run").exists()
 
 
@@ -180,7 +181,8 @@ def test_a_run_diverging_at_once_fails_with_the_cause(tmp_path):
     """--eta 1e6: the rollouts (so the rewards) and the loss are NaN from the first step."""
     from chunk_grpo.train.loop import NothingTrained
 
-    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", max_steps=1, eta=1e6)
+    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", {"run.max_steps": 1,
+                                                                   "sampling.eta": 1e6})
     with pytest.raises(NothingTrained, match=r"no optimizer step in 1 iteration\(s\): the "
                                              r"(rewards|loss or gradient) were NaN/Inf"):
         run(cfg)
@@ -192,8 +194,8 @@ def test_keys_that_cannot_change_on_resume_are_refused_in_one_line(tmp_path, cap
     from chunk_grpo.cli.runner import run_command
     from chunk_grpo.cli.train import main
 
-    out = run(tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", max_steps=1,
-                          checkpoint_every=1))
+    out = run(tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", {"run.max_steps": 1,
+                                                                       "run.checkpoint_every": 1}))
     before = _files(out)
 
     def refused(*flags) -> str:
@@ -215,8 +217,9 @@ def test_keys_that_cannot_change_on_resume_are_refused_in_one_line(tmp_path, cap
 def test_settings_changed_on_resume_are_applied_and_listed(tmp_path, capsys):
     from chunk_grpo.cli.train import main
 
-    out = run(tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", max_steps=2,
-                          checkpoint_every=1, lr=1e-3))
+    out = run(tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", {"run.max_steps": 2,
+                                                                       "run.checkpoint_every": 1,
+                                                                       "optim.lr": 1e-3}))
     capsys.readouterr()
     main(["--resume", str(out), "--max-steps", "3", "--lr", "5e-4", "--weight-decay", "0.1"])
     lines = [line for line in capsys.readouterr().out.splitlines() if "changed settings" in line]

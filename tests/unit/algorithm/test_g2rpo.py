@@ -125,17 +125,20 @@ def test_multi_granularity_advantages_sum_the_finishes():
 
 def test_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="shared_noise: true"):
-        tiny_config(tmp_path, tmp_path / "r", algorithm="g2rpo", shared_noise=False)
+        tiny_config(tmp_path, tmp_path / "r", {"sampling.algorithm": "g2rpo",
+                                               "sampling.shared_noise": False})
     with pytest.raises(ConfigError, match="g2rpo_granularities"):
-        tiny_config(tmp_path, tmp_path / "r", algorithm="g2rpo", g2rpo_granularities="2,2")
+        tiny_config(tmp_path, tmp_path / "r", {"sampling.algorithm": "g2rpo",
+                                               "sampling.g2rpo_granularities": "2,2"})
     with pytest.raises(ConfigError, match="algorithm must be one of"):
-        tiny_config(tmp_path, tmp_path / "r", algorithm="grpo2")
+        tiny_config(tmp_path, tmp_path / "r", {"sampling.algorithm": "grpo2"})
 
 
 def test_trainer_runs_g2rpo_on_policy_and_resumes_exactly(tmp_path):
     model = tiny_model_dir(tmp_path)
-    settings = dict(algorithm="g2rpo", shared_noise=True, g2rpo_granularities="1,3",
-                    max_steps=3, checkpoint_every=1, lr=3e-3)
+    settings = {"sampling.algorithm": "g2rpo", "sampling.shared_noise": True,
+                "sampling.g2rpo_granularities": "1,3", "run.max_steps": 3,
+                "run.checkpoint_every": 1, "optim.lr": 3e-3}
     straight = run(tiny_config(model, tmp_path / "a", **settings))
     records = read_metrics(straight / "metrics.jsonl")
     for r in records:
@@ -159,8 +162,11 @@ def test_g2rpo_schedule_counts_the_optimizer_steps_it_takes(tmp_path):
     """The schedule's length and the loop count optimizer steps the same way: G2RPO trains one
     step-level chunk, so with grad_accum 1 an iteration takes one step per micro-batch (not per
     chunk of the layout), and a cosine schedule ends exactly at the last step."""
-    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", algorithm="g2rpo",
-                      shared_noise=True, grad_accum=1, lr_schedule="cosine", max_steps=1)
+    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", {"sampling.algorithm": "g2rpo",
+                                                                   "sampling.shared_noise": True,
+                                                                   "optim.grad_accum": 1,
+                                                                   "optim.schedule": "cosine",
+                                                                   "run.max_steps": 1})
     tr = build_trainer(cfg, tmp_path / "run", D.DistInfo())
     per_iteration = optimizer_steps_per_iter(cfg)
     assert per_iteration == 2  # 8 rows in micro-batches of 4

@@ -32,8 +32,9 @@ def _logprobs(model, rollout) -> torch.Tensor:
 
 def _trainer(tmp_path, **overrides):
     model = tiny_model_dir(tmp_path)
-    cfg = tiny_config(model, tmp_path / "run", kl_ref="reference", kl_coef=0.1, lr=3e-3,
-                      **overrides)
+    cfg = tiny_config(model, tmp_path / "run", {"loss.kl_ref": "reference", "loss.kl_coef": 0.1,
+                                                "optim.lr": 3e-3,
+                                                **overrides})
     return model, build_trainer(cfg, tmp_path / "run", D.init_distributed("cpu"))
 
 

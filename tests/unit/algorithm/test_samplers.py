@@ -38,8 +38,11 @@ def _direct(policy, settings: RolloutSettings, algorithm: str, chunks: list[int]
                          [("chunk_grpo", GroupSampler), ("g2rpo", BranchSampler)])
 def test_both_samplers_through_one_interface(model, tmp_path, algorithm, kind):
     path, policy = model
-    cfg = tiny_config(path, tmp_path / "run", algorithm=algorithm, g2rpo_granularities="1,3",
-                      chunks="1,3", chunk_fraction=0.5, shared_noise=True)
+    cfg = tiny_config(path, tmp_path / "run", {"sampling.algorithm": algorithm,
+                                               "sampling.g2rpo_granularities": "1,3",
+                                               "chunks.spec": "1,3",
+                                               "chunks.fraction": 0.5,
+                                               "sampling.shared_noise": True})
     sampler: Sampler = build_sampler(cfg, policy)
     assert type(sampler) is kind and sampler.settings == rollout_settings(cfg, policy)
     assert sampler.settings.validate is False  # the config is checked

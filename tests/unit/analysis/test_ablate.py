@@ -20,9 +20,11 @@ from chunk_grpo.train.metrics import read_metrics
 
 def tiny_base(model_dir, **extra):
     """Base flags of a tiny ablation: 5 steps, every one stochastic (4 trained transitions)."""
-    values = dict(model=str(model_dir), reward="test_brightness", num_steps=5, group_size=4,
-                  prompts_per_step=2, micro_batch_size=4, rollout_batch_size=8,
-                  mixed_precision="no", lora_rank=0, max_steps=2, eta=0.7)
+    values = {"model.name": str(model_dir), "reward.name": "test_brightness", "sampling.steps": 5,
+              "sampling.group_size": 4, "sampling.prompts_per_step": 2,
+              "optim.micro_batch_size": 4, "sampling.batch_size": 8,
+              "model.mixed_precision": "no", "model.lora_rank": 0, "run.max_steps": 2,
+              "sampling.eta": 0.7}
     values.update(extra)
     return ablate.base_values(None, values)
 
@@ -47,7 +49,7 @@ def finished(model, tmp_path_factory):
           "sequence": (9,)}),
 ])
 def test_cells_give_the_intended_chunk_layouts(num_steps, expected):
-    base = ablate.base_values(None, {"num_steps": num_steps})
+    base = ablate.base_values(None, {"sampling.steps": num_steps})
     cfgs = {name: ablate.cell_config(base, cell, seed=1, minutes=2.0)
             for name, cell in ablate.CELLS.items()}
     for name, sizes in expected.items():
@@ -66,10 +68,10 @@ def test_cells_give_the_intended_chunk_layouts(num_steps, expected):
 
 
 def test_a_passed_flag_reaches_every_cell_and_a_too_big_chunk_names_its_cell():
-    base = ablate.base_values(None, {"sde_window": 5, "lr": 3e-4})
+    base = ablate.base_values(None, {"sampling.sde_window": 5, "optim.lr": 3e-4})
     cfg = ablate.cell_config(base, ablate.CELLS["chunk4"], seed=0, minutes=1.0)
     assert cfg.num_trained == 5 and cfg.optim.lr == 3e-4
-    small = ablate.base_values(None, {"sde_window": 3})
+    small = ablate.base_values(None, {"sampling.sde_window": 3})
     with pytest.raises(ConfigError, match="cell chunk4: chunk size 4 exceeds the 3 trained"):
         ablate.cell_config(small, ablate.CELLS["chunk4"], seed=0, minutes=1.0)
 

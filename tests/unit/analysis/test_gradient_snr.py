@@ -79,7 +79,7 @@ def test_gradients_leave_the_trainer_as_it_was(model_dir, tmp_path):
 
 
 def test_per_chunk_gradients_add_up_to_the_iteration_gradient(model_dir, tmp_path):
-    cfg = tiny_config(model_dir, tmp_path / "run", chunk_fraction=1.0)  # chunks 2,2; 2 batches
+    cfg = tiny_config(model_dir, tmp_path / "run", {"chunks.fraction": 1.0})  # chunks 2,2; 2 batches
     tr = build_trainer(cfg, tmp_path / "run", D.init_distributed("cpu"))
     total, _ = iteration_gradients(tr, [0, 1, 2], progress=False)
     by_chunk, _ = iteration_gradients(tr, [0, 1, 2], progress=False, per_chunk=True)
@@ -91,7 +91,8 @@ def test_per_chunk_gradients_add_up_to_the_iteration_gradient(model_dir, tmp_pat
                                atol=1e-5 * scale)
     # On-policy, a chunk's gradient is the mean of its steps' (docs/math.md's geometric mean):
     # the step-level layout of the same rollouts pins which gradient went to which chunk.
-    steps_cfg = tiny_config(model_dir, tmp_path / "run", chunk_fraction=1.0, chunks="step")
+    steps_cfg = tiny_config(model_dir, tmp_path / "run", {"chunks.fraction": 1.0,
+                                                          "chunks.spec": "step"})
     step_tr = build_trainer(steps_cfg, tmp_path / "run", D.init_distributed("cpu"))
     by_step, _ = iteration_gradients(step_tr, [0, 1, 2], progress=False, per_chunk=True)
     for j, (a, b) in enumerate([(0, 1), (2, 3)]):
@@ -103,7 +104,7 @@ def test_per_chunk_gradients_add_up_to_the_iteration_gradient(model_dir, tmp_pat
 
 
 def test_an_image_blind_reward_shows_no_signal(model_dir, tmp_path):
-    blind = measure(tiny_config(model_dir, tmp_path / "b", reward="test_image_blind"),
+    blind = measure(tiny_config(model_dir, tmp_path / "b", {"reward.name": "test_image_blind"}),
                     iterations=8, progress=False)
     assert blind["iterations"] == 8 and blind["images_per_iteration"] == 8
     assert blind["noise"] > 0 and blind["snr2_stderr"] > 0

@@ -16,7 +16,7 @@ from trainer_utils import tiny_config, tiny_model_dir
 from chunk_grpo.cli.runner import run_command
 from chunk_grpo.cli.train import main
 from chunk_grpo.config.errors import ConfigError
-from chunk_grpo.config.schema import build_config, load_yaml
+from chunk_grpo.config.parsing import build_config, load_yaml
 from chunk_grpo.models.sampling_defaults import CONFIG_NAME
 from chunk_grpo.runtime import distributed as D
 from chunk_grpo.runtime.quiet import quiet_third_party
@@ -228,7 +228,7 @@ def test_ctrl_c_exits_130_naming_a_resumable_checkpoint(tmp_path, model):
     last = latest_checkpoint(out)
     assert checkpoint_problem(last) is None and str(last) in lines[0]
     step = int(last.name.split("-")[1])
-    run(build_config(out / "config.yaml", {"max_steps": step + 1}), run_dir=out, resume=True)
+    run(build_config(out / "config.yaml", {"run.max_steps": step + 1}), run_dir=out, resume=True)
     assert latest_checkpoint(out).name == f"step-{step + 1:08d}"
 
 
@@ -269,7 +269,7 @@ def test_a_full_disk_at_export_keeps_the_checkpoint_and_says_how_to_finish(tmp_p
     with pytest.raises(DiskFullError, match=r"no space left on device to export .*final_model; "
                                             r"the summary and the last checkpoint "
                                             r".*step-00000001 are kept"):
-        run(tiny_config(model, out, max_steps=1))
+        run(tiny_config(model, out, {"run.max_steps": 1}))
     assert checkpoint_problem(latest_checkpoint(out)) is None
     monkeypatch.undo()
     run(build_config(out / "config.yaml"), run_dir=out, resume=True)  # exports, trains nothing

@@ -75,7 +75,7 @@ def _parallelism_none(rank: int, world: int, tmp, model) -> str:
     from chunk_grpo.runtime.parallelize import ParallelismError
 
     with pytest.raises(ParallelismError) as refused:
-        run(tiny_config(model, tmp / "run", parallelism="none"))
+        run(tiny_config(model, tmp / "run", {"parallel.mode": "none"}))
     assert ParallelismError in _loaded_one_line_errors()
     return str(refused.value)
 

@@ -7,6 +7,7 @@ import grpo_kernels.validation
 from chunk_grpo.cli.credit import credit_parser
 from chunk_grpo.cli.evaluate import evaluate_parser
 from chunk_grpo.config.errors import ConfigError
+from chunk_grpo.config.parsing import build_config
 from chunk_grpo.config.sampling_options import (
     SAMPLERS,
     SDE_KINDS,
@@ -15,7 +16,6 @@ from chunk_grpo.config.sampling_options import (
     check_sde_kind,
     resolve_cfg_scale,
 )
-from chunk_grpo.config.schema import build_config
 from chunk_grpo.models import FluxPolicy
 
 
@@ -37,11 +37,11 @@ def test_checks_name_the_problem_and_take_the_callers_error():
 
 def test_config_and_command_lines_use_the_same_lists():
     for kind in SDE_KINDS:
-        assert build_config(None, {"sde_kind": kind}).sampling.sde == kind
-    with pytest.raises(ConfigError, match="sde_kind must be one of flow, dance, cps, cps_mse"):
-        build_config(None, {"sde_kind": "ode"})
+        assert build_config(None, {"sampling.sde": kind}).sampling.sde == kind
+    with pytest.raises(ConfigError, match="sampling.sde must be one of flow, dance, cps, cps_mse"):
+        build_config(None, {"sampling.sde": "ode"})
     with pytest.raises(ConfigError, match="group_size must be even"):
-        build_config(None, {"antithetic_noise": True, "group_size": 5})
+        build_config(None, {"sampling.antithetic_noise": True, "sampling.group_size": 5})
     sampler = next(a for a in evaluate_parser()._actions if a.dest == "sampler")
     kind = next(a for a in credit_parser()._actions if a.dest == "kind")
     assert tuple(sampler.choices) == SAMPLERS and tuple(kind.choices) == SDE_KINDS

@@ -11,16 +11,14 @@ import pytest
 import yaml
 
 from chunk_grpo.config.errors import ConfigError
-from chunk_grpo.config.schema import (
-    FLAT_ALIASES,
-    PATHS,
-    TrainConfig,
+from chunk_grpo.config.parsing import (
     build_config,
-    flat_keys,
+    config_from_saved,
     load_saved_config,
     parse_args,
     save_config,
 )
+from chunk_grpo.config.schema import ChunksConfig, ModelConfig, SamplingConfig, TrainConfig
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
@@ -42,13 +40,14 @@ def test_flux_preset_has_the_papers_settings():
 
 def test_cli_overrides_yaml_and_types(tmp_path):
     path, overrides, resume = parse_args(
-        ["--config", "x.yaml", "--group-size", "6", "--clip_low", "1e-3", "--chunks", "7,8",
-         "--num-steps", "16", "--sde-window", "0", "--cfg-scale", "none", "--shared-noise", "true",
-         "--lora-targets", "to_q,to_v"])
+        ["--config", "x.yaml", "--sampling.group_size", "6", "--loss.clip_low", "1e-3",
+         "--chunks.spec", "7,8", "--sampling.steps", "16", "--sampling.sde_window", "0",
+         "--sampling.cfg_scale", "null", "--sampling.shared_noise", "true",
+         "--model.lora_targets", "to_q,to_v"])
     assert path == "x.yaml" and resume is None
     yml = tmp_path / "x.yaml"
-    yml.write_text(yaml.safe_dump({"group_size": 3, "lr": 0.5, "chunks": [2, 3, 4, 6],
-                                  "num_steps": 16, "sde_window": 0}))
+    yml.write_text(yaml.safe_dump({"sampling": {"group_size": 3, "steps": 16, "sde_window": 0},
+                                   "optim.lr": 0.5, "chunks": {"spec": [2, 3, 4, 6]}}))
     cfg = build_config(yml, overrides)
     assert cfg.sampling.group_size == 6 and cfg.optim.lr == 0.5 and cfg.loss.clip_low == 1e-3
     assert cfg.chunks.spec == "7,8" and cfg.sampling.cfg_scale is None
@@ -58,15 +57,17 @@ def test_cli_overrides_yaml_and_types(tmp_path):
 
 
 def test_saved_config_round_trips(tmp_path):
-    cfg = build_config(None, {"group_size": 5, "chunk_size": 3, "adv_clip_max": None})
+    cfg = build_config(None, {"sampling.group_size": 5, "chunks.size": 3,
+                              "loss.adv_clip_max": None})
     save_config(cfg, tmp_path / "config.yaml")
     assert build_config(tmp_path / "config.yaml") == cfg
 
 
 def test_unknown_keys_are_errors(tmp_path):
     yml = tmp_path / "bad.yaml"
-    yml.write_text("group_sise: 4\n")
-    with pytest.raises(ConfigError, match="unknown config key 'group_sise'.*'group_size'"):
+    yml.write_text("sampling:\n  group_sise: 4\n")
+    with pytest.raises(ConfigError, match="unknown config key 'sampling.group_sise'.*"
+                                          "'sampling.group_size'"):
         build_config(yml)
     with pytest.raises(ConfigError, match="unknown config key 'learning_rat'"):
         parse_args(["--learning-rat", "3"])
@@ -77,40 +78,43 @@ def test_unknown_keys_are_errors(tmp_path):
 
 
 def test_sde_window_sets_the_trained_transitions():
-    cfg = build_config(None, {"num_steps": 10, "sde_window": 4, "chunks": "1,3"})
+    cfg = build_config(None, {"sampling.steps": 10, "sampling.sde_window": 4, "chunks.spec": "1,3"})
     assert cfg.num_trained == 4
-    assert build_config(None, {"num_steps": 10, "sde_window": 0}).num_trained == 9
+    assert build_config(None, {"sampling.steps": 10, "sampling.sde_window": 0}).num_trained == 9
 
 
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        ({"group_size": "four"}, "group_size expects int"),
-        ({"group_size": 2.5}, "group_size expects int"),
-        ({"lr": "fast"}, "lr expects float"),
-        ({"shared_noise": "maybe"}, "shared_noise expects bool"),
-        ({"group_size": None}, "group_size cannot be null"),
-        ({"sde_kind": "euler"}, "sde_kind must be one of flow, dance, cps, cps_mse"),
-        ({"adv_norm": "batch"}, "adv_norm must be one of"),
-        ({"group_size": 1}, "group_size must be >= 2"),
-        ({"num_steps": 1}, "num_steps must be >= 2"),
-        ({"chunk_fraction": 0.0}, "chunk_fraction must be in"),
-        ({"chunk_size": 0}, "chunk_size must be >= 1"),
-        ({"eta": 0.0}, "eta must be > 0"),
-        ({"clip_low": 1.0}, "clip_low must be in"),
-        ({"lr": 0.0}, "lr must be > 0"),
-        ({"ema_decay": 1.0}, "ema_decay must be in"),
-        ({"eval_hybrid_steps": -1}, "eval_hybrid_steps must be >= 0"),
-        ({"micro_batch_size": 0}, "micro_batch_size must be >= 1"),
-        ({"mixed_precision": "fp16"}, "mixed_precision must be one of auto, no, bf16"),
+        ({"sampling.group_size": "four"}, r"^sampling.group_size must be an int, got 'four'$"),
+        ({"sampling.group_size": 2.5}, "sampling.group_size must be an int, got 2.5"),
+        ({"optim.lr": "fast"}, r"^optim.lr must be a float, got 'fast'$"),
+        ({"sampling.shared_noise": "maybe"}, "sampling.shared_noise must be true or false"),
+        ({"sampling.group_size": None}, "sampling.group_size cannot be null; give an int"),
+        ({"sampling.sde": "euler"}, "sampling.sde must be one of flow, dance, cps, cps_mse"),
+        ({"loss.adv_norm": "batch"}, "loss.adv_norm must be one of"),
+        ({"sampling.group_size": 1}, "sampling.group_size must be >= 2"),
+        ({"sampling.steps": 1}, "sampling.steps must be >= 2"),
+        ({"chunks.fraction": 0.0}, r"^chunks.fraction must be in \(0, 1\]"),
+        ({"chunks.size": 0}, "chunks.size must be >= 1"),
+        ({"sampling.eta": 0.0}, "sampling.eta must be > 0"),
+        ({"loss.clip_low": 1.0}, "loss.clip_low must be in"),
+        ({"optim.lr": 0.0}, "optim.lr must be > 0"),
+        ({"optim.lr": "nan"}, "optim.lr must be a finite number"),
+        ({"optim.max_grad_norm": float("inf")}, "optim.max_grad_norm must be a finite number"),
+        ({"optim.ema_decay": 1.0}, "optim.ema_decay must be in"),
+        ({"eval.hybrid_steps": -1}, "eval.hybrid_steps must be >= 0"),
+        ({"optim.micro_batch_size": 0}, "optim.micro_batch_size must be >= 1"),
+        ({"model.mixed_precision": "fp16"}, "model.mixed_precision must be one of auto, no, "
+                                            "bf16, got 'fp16'"),
         ({"parallel.reduce_dtype": "fp16"}, "parallel.reduce_dtype must be one of fp32, bf16"),
         ({"parallel.reduce_dtype": "bf16"},
          "parallel.reduce_dtype bf16 needs parallel.mode: fsdp .*; set it to fp32 or use fsdp"),
-        ({"chunks": "2,3,4", "num_steps": 16, "sde_window": 0},
-         "chunks: chunk sizes '2,3,4' sum to 9 but there are 15"),
-        ({"chunks": "big"}, "chunks: chunks must be 'auto', 'step', 'sequence'"),
-        ({"sde_window": -1}, "sde_window must be >= 0"),
-        ({"chunks": "2,2", "sde_window": 3}, "sum to 4 but there are 3 trained"),
+        ({"chunks.spec": "2,3,4", "sampling.steps": 16, "sampling.sde_window": 0},
+         "chunks.spec: chunk sizes '2,3,4' sum to 9 but there are 15"),
+        ({"chunks.spec": "big"}, "chunks.spec: chunks must be 'auto', 'step', 'sequence'"),
+        ({"sampling.sde_window": -1}, "sampling.sde_window must be >= 0"),
+        ({"chunks.spec": "2,2", "sampling.sde_window": 3}, "sum to 4 but there are 3 trained"),
     ],
 )
 def test_invalid_values(overrides, match):
@@ -120,7 +124,6 @@ def test_invalid_values(overrides, match):
 
 def test_dynamic_shift_follows_the_token_count(tmp_path):
     """dynamic_shift replaces `shift` by FLUX's exp(mu) of the image's latent token count."""
-    import math
 
     from trainer_utils import tiny_model_dir
 
@@ -129,9 +132,9 @@ def test_dynamic_shift_follows_the_token_count(tmp_path):
     from chunk_grpo.train.setup import sampling_shift
 
     policy = FluxPolicy.from_pretrained(tiny_model_dir(tmp_path))  # 32x32: a 4x4 token grid
-    fixed = build_config(None, {"shift": 2.0})
+    fixed = build_config(None, {"sampling.shift": 2.0})
     assert sampling_shift(fixed, policy) == 2.0
-    dyn = build_config(None, {"shift": 2.0, "dynamic_shift": True})
+    dyn = build_config(None, {"sampling.shift": 2.0, "sampling.dynamic_shift": True})
     assert sampling_shift(dyn, policy) == dynamic_shift(16)
     policy.height = policy.width = 64  # 8x8 tokens
     assert sampling_shift(dyn, policy) == pytest.approx(
@@ -141,13 +144,13 @@ def test_dynamic_shift_follows_the_token_count(tmp_path):
 
 
 def test_antithetic_noise_needs_an_even_group():
-    assert build_config(None, {"antithetic_noise": True, "group_size": 8}).sampling.antithetic_noise
+    cfg = build_config(None, {"sampling.antithetic_noise": True, "sampling.group_size": 8})
+    assert cfg.sampling.antithetic_noise
     with pytest.raises(ConfigError, match="group_size must be even"):
-        build_config(None, {"antithetic_noise": True, "group_size": 7})
+        build_config(None, {"sampling.antithetic_noise": True, "sampling.group_size": 7})
 
 
 # ----------------------------------------------------------------------------- sections
-
 # A run's config.yaml as earlier versions saved it (flat), with values off the defaults.
 OLD_FLAT_CONFIG = """\
 model: some/dir
@@ -265,75 +268,75 @@ OLD_FLAT_AS_NESTED = {
 }
 
 
-def test_an_old_flat_config_loads_into_the_sections(tmp_path):
-    """Every flat key of earlier versions is an alias of one dotted path: an old run's saved
-    config.yaml resumes with the same settings."""
+def test_an_old_saved_config_resumes_with_its_settings(tmp_path):
+    """A run saved by an earlier version (every setting at the top level) is migrated: its
+    config.yaml and its checkpoint's copy give the same settings. Elsewhere flat keys are errors
+    that name the dotted key."""
     old = tmp_path / "config.yaml"
     old.write_text(OLD_FLAT_CONFIG)
-    cfg = build_config(old)
+    cfg = load_saved_config(old)
     assert cfg.to_dict() == OLD_FLAT_AS_NESTED
-    assert sorted(FLAT_ALIASES) == sorted(yaml.safe_load(OLD_FLAT_CONFIG))
-    # one dotted path per alias; the settings added since have none
-    assert len(set(FLAT_ALIASES.values())) == len(FLAT_ALIASES)
-    assert sorted(set(PATHS) - set(FLAT_ALIASES.values())) == [
-        "eval.guard_reward", "eval.guard_stop", "model.base_quantization", "model.tf32",
-        "parallel.timeout_minutes", "run.export",
-        "run.name", "run.report_to", "run.wandb_project"]
+    assert config_from_saved(yaml.safe_load(OLD_FLAT_CONFIG)) == cfg
+    assert build_config(old, {"optim.lr": "3e-4"}, saved=True).optim.lr == 3e-4
     nested = tmp_path / "nested.yaml"
     nested.write_text(yaml.safe_dump(OLD_FLAT_AS_NESTED))
-    assert build_config(nested) == cfg
-    # flags on top of an old flat file (--resume): the flag wins, whichever name it uses
-    assert build_config(old, {"optim.lr": "3e-4"}).optim.lr == 3e-4
-    assert build_config(old, {"lr": 5e-4}).optim.lr == 5e-4
+    assert build_config(nested) == cfg == load_saved_config(nested)
+    with pytest.raises(ConfigError, match=r"model in .*config.yaml is a section: give it a "
+                                          r"mapping such as `model: \{name: ...\}`"):
+        build_config(old)  # as a preset (--config), a flat file is refused
+    old.write_text("num_steps: 12\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'num_steps' .*'sampling.steps'"):
+        build_config(old)
 
 
-def test_dotted_flags_in_both_spellings_and_their_aliases():
+def test_dotted_flags_in_both_forms():
     _, overrides, _ = parse_args(["--optim.lr", "1e-4", "--eval.every=10", "--chunks.fraction",
                                   "0.5", "--reward.name=test_brightness", "--chunks.spec", "-1,4",
-                                  "--optim.max-grad-norm", "0.25", "--group-size", "4"])
-    assert overrides == {"optim.lr": "1e-4", "eval.every": "10", "chunks.fraction": "0.5",
+                                  "--optim.max_grad_norm", "0.25", "--run.export", "merged,lora"])
+    assert overrides == {"optim.lr": "1e-4", "eval.every": 10, "chunks.fraction": 0.5,
                          "reward.name": "test_brightness", "chunks.spec": "-1,4",
-                         "optim.max_grad_norm": "0.25", "group_size": "4"}
+                         "optim.max_grad_norm": 0.25, "run.export": "merged,lora"}
     overrides["chunks.spec"] = "auto"
     cfg = build_config(None, overrides)
     assert (cfg.optim.lr, cfg.eval.every, cfg.chunks.fraction) == (1e-4, 10, 0.5)
-    assert (cfg.reward.name, cfg.optim.max_grad_norm, cfg.sampling.group_size) == (
-        "test_brightness", 0.25, 4)
-    assert build_config(None, {"lr": 1e-4}) == build_config(None, {"optim.lr": 1e-4})
-    assert cfg.get("lr") == cfg.get("optim.lr") == 1e-4
-    with pytest.raises(ConfigError, match=r"optim.lr is given twice .*--lr and --optim.lr"):
-        parse_args(["--lr", "1", "--optim.lr", "2"])
+    assert (cfg.reward.name, cfg.optim.max_grad_norm, cfg.run.export) == (
+        "test_brightness", 0.25, ["merged", "lora"])
+    assert cfg.get("optim.lr") == 1e-4
+    with pytest.raises(ConfigError, match=r"unknown config key 'lr'.*did you mean 'optim.lr'"):
+        parse_args(["--lr", "1"])
 
 
-def test_a_nested_yaml_takes_sections_dotted_keys_and_aliases(tmp_path):
+def test_a_nested_yaml_takes_sections_and_dotted_keys(tmp_path):
     path = tmp_path / "preset.yaml"
-    path.write_text("optim:\n  lr: 2.0e-4\n  max-grad-norm: 0.5\n"
+    path.write_text("optim:\n  lr: 2.0e-4\n  max_grad_norm: 0.5\n"
                     "sampling: {steps: 12, sde: dance}\n"
                     "loss.kl_coef: 0.05\n"
-                    "group_size: 4\n"
                     "reward:\n  name: {test_brightness: 1.0, jpeg_compressibility: 0.5}\n"
                     "  overlap: false\n"
                     "eval:\n")  # an empty section
     cfg = build_config(path)
     assert (cfg.optim.lr, cfg.optim.max_grad_norm, cfg.sampling.steps) == (2e-4, 0.5, 12)
-    assert (cfg.sampling.sde, cfg.loss.kl_coef, cfg.sampling.group_size) == ("dance", 0.05, 4)
+    assert (cfg.sampling.sde, cfg.loss.kl_coef) == ("dance", 0.05)
     assert cfg.reward.name == "test_brightness=1.0,jpeg_compressibility=0.5"
     assert cfg.reward.overlap is False and cfg.eval == TrainConfig().eval
-    # a section's own flat name with a plain value is its alias: model: DIR, chunks: [1, 2]
-    path.write_text("model: some/dir\nchunks: [1, 2, 3]\nreward: {test_brightness: 1.0}\n")
+    path.write_text("reward: {name: {test_brightness: 1.0}}\nchunks.spec: [1, 2, 3]\n"
+                    "sampling.steps: 7\n")
     cfg = build_config(path)
-    assert (cfg.model.name, cfg.chunks.spec) == ("some/dir", "1,2,3")
-    assert cfg.reward.name == "test_brightness"  # a weight of 1 is the plain name
+    assert cfg.reward.name == "test_brightness" and cfg.chunks.spec == "1,2,3"
+    path.write_text("loss.kl_coef: 0.1\nloss:\n  kl_coef: 0.2\n")
+    with pytest.raises(ConfigError, match="loss.kl_coef is given twice"):
+        build_config(path)
 
 
 @pytest.mark.parametrize(("where", "key", "message"), [
     ("flag", "--optim.lrr", r"unknown config key 'optim.lrr' in the command line; did you mean "
                             r"'optim.lr'\?"),
     ("flag", "--sampling.lr", r"unknown config key 'sampling.lr'.*did you mean 'optim.lr'\?"),
-    ("flag", "--optm.lr", r"unknown config section 'optm'.*did you mean section 'optim'\?"),
-    ("flag", "--group-sise", r"unknown config key 'group_sise'.*did you mean 'group_size'\?"),
+    ("flag", "--optm.lr", r"unknown config key 'optm.lr'.*did you mean 'optim.lr'\?"),
+    ("flag", "--group-size", r"unknown config key 'group_size'.*'sampling.group_size'\?"),
     ("flag", "--fraction", r"'fraction' in the command line; did you mean 'chunks.fraction'\?"),
     ("flag", "--run.batch-size", r"did you mean 'reward.batch_size' or 'sampling.batch_size'\?"),
+    ("flag", "--model", r"--model is a section; set its keys, e.g. --model.name VALUE"),
     ("yaml", "optim:\n  lrr: 1\n", r"unknown config key 'optim.lrr' in .*'optim.lr'\?"),
     ("yaml", "chunks.fractoin: 0.5\n", r"'chunks.fractoin'.*did you mean 'chunks.fraction'\?"),
     ("yaml", "optim: 3\n", r"optim in .* is a section: give it a mapping such as `optim: "
@@ -350,21 +353,27 @@ def test_unknown_keys_and_scalar_sections_are_errors(tmp_path, where, key, messa
             build_config(path)
 
 
-def test_messages_name_the_key_as_written():
-    with pytest.raises(ConfigError, match=r"^chunk_fraction must be in \(0, 1\]"):
-        build_config(None, {"chunk_fraction": 0.0})
+def test_every_way_of_building_a_config_checks_it():
+    """The sections check themselves in __post_init__: the constructor, with_changes and
+    validate() after an assignment all refuse a bad value with the same one-line message."""
     with pytest.raises(ConfigError, match=r"^chunks.fraction must be in \(0, 1\]"):
-        build_config(None, {"chunks.fraction": 0.0})
-    with pytest.raises(ConfigError, match=r"^optim.lr expects float, got 'fast'"):
-        build_config(None, {"optim": {"lr": "fast"}})
+        ChunksConfig(fraction=0.0)
+    with pytest.raises(ConfigError, match="^model.mixed_precision must be one of auto, no, bf16"):
+        ModelConfig(mixed_precision="fp16")
     with pytest.raises(ConfigError, match="sampling.group_size must be >= 2 for group "
                                           "advantages; set loss.adv_norm: none"):
+        TrainConfig(sampling=SamplingConfig(group_size=1))
+    with pytest.raises(ConfigError, match="sampling.group_size must be >= 2 for group"):
         build_config(None, {"sampling.group_size": 1})
+    cfg = TrainConfig()
+    cfg.optim.lr = -1.0
+    with pytest.raises(ConfigError, match="^optim.lr must be > 0, got -1.0$"):
+        cfg.validate()
 
 
 def test_the_saved_config_is_nested_and_round_trips(tmp_path):
     cfg = build_config(None, {"optim.lr": 3e-4, "chunks.size": 3, "loss.adv_clip_max": None,
-                              "model.lora_targets": "to_q,to_k", "reward": "test_brightness"})
+                              "model.lora_targets": "to_q,to_k", "reward.name": "test_brightness"})
     save_config(cfg, tmp_path / "config.yaml")
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert list(saved) == ["model", "reward", "data", "sampling", "chunks", "loss", "optim",
@@ -374,20 +383,17 @@ def test_the_saved_config_is_nested_and_round_trips(tmp_path):
     assert load_saved_config(tmp_path / "config.yaml") == cfg
 
 
-def test_with_changes_copies_and_converts():
+def test_with_changes_copies_converts_and_checks():
     cfg = TrainConfig()
-    changed = cfg.with_changes({"max_grad_norm": math.inf, "chunks.fraction": "0.5",
-                                "model": "other"})
-    assert (changed.optim.max_grad_norm, changed.chunks.fraction) == (math.inf, 0.5)
+    changed = cfg.with_changes({"optim.max_grad_norm": 0.5, "chunks.fraction": "0.5",
+                                "model.name": "other"})
+    assert (changed.optim.max_grad_norm, changed.chunks.fraction) == (0.5, 0.5)
     assert changed.model.name == "other" and changed.model.lora_rank == cfg.model.lora_rank
     assert cfg == TrainConfig()  # the original is untouched
     with pytest.raises(ConfigError, match="unknown config key 'optim.lrr'"):
         cfg.with_changes({"optim.lrr": 1})
-
-
-def test_flat_keys_maps_any_spelling_to_the_aliases():
-    assert flat_keys({"optim": {"lr": 1}, "sampling.group_size": 4, "seed": 2}, "x") == {
-        "lr": 1, "group_size": 4, "seed": 2}
+    with pytest.raises(ConfigError, match="optim.max_grad_norm must be > 0"):
+        cfg.with_changes({"optim.max_grad_norm": 0})
 
 
 def test_help_lists_the_dotted_flags_by_section(capsys):
@@ -398,9 +404,11 @@ def test_help_lists_the_dotted_flags_by_section(capsys):
     sections = [line.rstrip(":") for line in text.splitlines() if re.fullmatch(r"\w+:", line)]
     assert sections == ["options", "model", "reward", "data", "sampling", "chunks", "loss",
                         "optim", "parallel", "eval", "run"]
-    assert re.search(r"--optim\.lr V +default 0\.001 \(alias --lr\)", text)
-    assert re.search(r"--sampling\.sde V +flow\|dance\|cps\|cps_mse, default 'flow' \(alias "
-                     r"--sde-kind\)", text)
+    assert re.search(r"--optim\.lr FLOAT +default 0\.001", text)
+    assert re.search(r"--sampling\.sde \{flow,dance,cps,cps_mse\}\s+the stochastic sampler; "
+                     r"default flow", text)
+    assert re.search(r"--model\.height INT\|NULL +None = the model's default size; default null",
+                     text)
 
 
 def test_the_config_module_imports_no_torch():
@@ -426,15 +434,15 @@ def test_the_config_module_imports_no_torch():
     ({"eval.guard_stop": "nan"}, r"^eval.guard_stop must be a finite number"),
     ({"eval.guard_stop": 0.05, "eval.guard_reward": "none"},
      r"^eval.guard_stop 0.05 has no guard to watch: eval.guard_reward is none; name one"),
-    ({"eval.guard_stop": 0.05, "reward": "shapes"},
+    ({"eval.guard_stop": 0.05, "reward.name": "shapes"},
      r"^eval.guard_stop 0.05 has no guard to watch: eval.guard_reward is auto, which finds"),
-    ({"eval.guard_stop": 0.05, "eval_prompts": "prompts.txt"}, r"has no guard to watch"),
+    ({"eval.guard_stop": 0.05, "data.eval_prompts": "prompts.txt"}, r"has no guard to watch"),
     ({"eval.guard_stop": 0.05, "eval.every": 0},
      r"^eval.guard_stop 0.05 is checked at the periodic evaluations, and eval.every: 0 runs "
      r"none; set eval.every >= 1 or eval.guard_stop: 0$"),
-    ({"eval.guard_stop": 0.05, "eval_hybrid_steps": 0},
+    ({"eval.guard_stop": 0.05, "eval.hybrid_steps": 0},
      r"^eval.guard_stop 0.05 compares the guard with the base model's .* and "
-     r"eval_hybrid_steps: 0 loads no base; set eval_hybrid_steps >= 1"),
+     r"eval.hybrid_steps: 0 loads no base; set eval.hybrid_steps >= 1"),
     ({"eval.guard_stop": 0.05, "eval.images": 1}, r"^eval.guard_stop 0.05 needs a confidence "
                                                   r"interval .*set eval.images >= 2"),
 ])

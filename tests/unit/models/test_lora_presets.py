@@ -6,7 +6,8 @@ import torch
 from trainer_utils import TINY_SIZES
 
 from chunk_grpo.config.errors import ConfigError
-from chunk_grpo.config.schema import TrainConfig, build_config
+from chunk_grpo.config.parsing import build_config
+from chunk_grpo.config.schema import TrainConfig
 from chunk_grpo.config.specs import LORA_PRESETS, lora_target_modules
 from chunk_grpo.models.policy_setup import prepare_transformer
 from chunk_grpo.models.tiny import build_tiny_flux_pipeline
@@ -67,7 +68,7 @@ def test_the_config_takes_a_preset_name_and_defaults_to_both_attention_streams()
     assert TrainConfig().model.lora_targets == ["attention+text"]
     assert lora_target_modules(TrainConfig().model.lora_targets) == [
         *LORA_PRESETS["attention"], *LORA_PRESETS["attention+text"][4:]]
-    assert build_config(None, {"lora_targets": "all"}).model.lora_targets == ["all"]
-    assert build_config(None, {"lora_targets": "to_q,to_v"}).model.lora_targets == ["to_q", "to_v"]
+    assert build_config(None, {"model.lora_targets": "all"}).model.lora_targets == ["all"]
+    assert build_config(None, {"model.lora_targets": "to_q,to_v"}).model.lora_targets == ["to_q", "to_v"]
     with pytest.raises(ConfigError, match="lora_targets: the preset 'all' cannot be mixed"):
-        build_config(None, {"lora_targets": "all,to_q"})
+        build_config(None, {"model.lora_targets": "all,to_q"})

@@ -116,9 +116,12 @@ def test_a_run_with_cached_prompts_trains_evaluates_and_exports(tmp_path):
     train.write_text("a red circle\ntwo blue squares\n")
     heldout.write_text("a green triangle\n")
     cache_dir = tmp_path / "cache"
-    cfg = tiny_config(model, tmp_path / "run", max_steps=1, lora_rank=4, eval_hybrid_steps=2,
-                      train_prompts=str(train), eval_prompts=str(heldout),
-                      text_encoders="cache", prompt_cache_dir=str(cache_dir))
+    cfg = tiny_config(model, tmp_path / "run", {"run.max_steps": 1, "model.lora_rank": 4,
+                                                "eval.hybrid_steps": 2,
+                                                "data.train_prompts": str(train),
+                                                "data.eval_prompts": str(heldout),
+                                                "model.text_encoders": "cache",
+                                                "model.prompt_cache_dir": str(cache_dir)})
     out = run(cfg)
     record = read_metrics(out / "metrics.jsonl")[-1]
     assert "eval_hybrid/reward_mean" in record and "eval/gain_vs_base" in record

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from trainer_utils import tiny_config, tiny_model_dir, velocities
 
 from chunk_grpo.config.errors import ConfigError
-from chunk_grpo.config.schema import build_config
+from chunk_grpo.config.parsing import build_config
 from chunk_grpo.models import FluxPolicy
 from chunk_grpo.models.policy_setup import load_trainable_state_dict, prepare_transformer
 from chunk_grpo.models.quantize import (
@@ -100,9 +100,12 @@ def test_quantized_loading_wraps_bnb_layers_with_fp32_adapters(model_dir, kind):
 
 @pytest.mark.slow
 def test_nf4_lora_run_trains_and_exports_the_dequantized_merged_base(tmp_path, model_dir):
-    cfg = tiny_config(model_dir, tmp_path / "run", max_steps=2, lora_rank=8, lr=1e-2,
-                      optimizer="adamw8bit", eval_hybrid_steps=2, checkpoint_every=1,
-                      **{"model.base_quantization": "nf4"})
+    cfg = tiny_config(model_dir, tmp_path / "run", {"run.max_steps": 2, "model.lora_rank": 8,
+                                                    "optim.lr": 1e-2,
+                                                    "optim.name": "adamw8bit",
+                                                    "eval.hybrid_steps": 2,
+                                                    "run.checkpoint_every": 1,
+                                                    **{"model.base_quantization": "nf4"}})
     out = run(cfg)
     records = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]

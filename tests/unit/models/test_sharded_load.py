@@ -42,7 +42,8 @@ from chunk_grpo.runtime.parallelize import (
 from chunk_grpo.train.setup import build_policy
 
 pytestmark = pytest.mark.slow  # one launch of 2 forked ranks
-SETTINGS = dict(parallelism="fsdp", eval_hybrid_steps=2, lora_targets=["to_q", "to_k"])
+SETTINGS = {"parallel.mode": "fsdp", "eval.hybrid_steps": 2,
+            "model.lora_targets": ["to_q", "to_k"]}
 # FLUX.1-dev's transformer/config.json at 1 double + 1 single block (545M parameters), as the
 # memory plan's benchmark builds it.
 FLUX_WIDTH_BLOCKS = dict(num_layers=1, num_single_layers=1)
@@ -104,7 +105,7 @@ def _watched_loading(log: dict):
 def _load(model_dir: Path, out: Path, lora_rank: int) -> dict:
     """build_policy on this rank: every weight in full, the hybrid base's layout, what loading
     read."""
-    cfg = tiny_config(model_dir, out, lora_rank=lora_rank, **SETTINGS)
+    cfg = tiny_config(model_dir, out, {"model.lora_rank": lora_rank, **SETTINGS})
     log = {"sharded": 0, "not_meta": 0, "rows": {}}
     with _watched_loading(log):
         setup = build_policy(cfg, D.init_distributed("cpu"))
@@ -192,7 +193,7 @@ def two_ranks(tmp_path_factory):
 @pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
 def test_sharded_loading_gives_the_weights_of_the_plain_load(two_ranks, lora_rank):
     root, model_dir, ranks = two_ranks
-    cfg = tiny_config(model_dir, root / "plain", lora_rank=lora_rank, **SETTINGS)
+    cfg = tiny_config(model_dir, root / "plain", {"model.lora_rank": lora_rank, **SETTINGS})
     plain = build_policy(cfg, D.DistInfo())  # no process group: the whole model, as before
     expected = {n: p.detach() for n, p in plain.policy.transformer.named_parameters()}
     assert any(".lora_A." in n for n in expected) == (lora_rank > 0)
@@ -275,8 +276,8 @@ def _one_rank_run(rank: int, world: int, tmp: Path, model_dir: Path, max_steps: 
     exports the sharded way (its state is DTensors even with one rank)."""
     from chunk_grpo.train.loop import run
 
-    cfg = tiny_config(model_dir, tmp / "run", parallelism="fsdp", max_steps=max_steps,
-                      checkpoint_every=1)
+    cfg = tiny_config(model_dir, tmp / "run", {"parallel.mode": "fsdp", "run.max_steps": max_steps,
+                                               "run.checkpoint_every": 1})
     run_dir = run(cfg, resume=resume)
     return {"checkpoints": sorted(p.name for p in (run_dir / "checkpoints").iterdir()),
             "exported": (run_dir / "final_model" / "model_index.json").is_file()}
@@ -296,7 +297,7 @@ def _roots_after_sampling(rank: int, world: int, tmp: Path, model_dir: Path) -> 
     hybrid sampling with the policy and its sharded base reshards both roots it used."""
     from chunk_grpo.algorithm.rollout import generate
 
-    cfg = tiny_config(model_dir, tmp / "run", parallelism="fsdp", eval_hybrid_steps=2)
+    cfg = tiny_config(model_dir, tmp / "run", {"parallel.mode": "fsdp", "eval.hybrid_steps": 2})
     setup = build_policy(cfg, D.init_for_config(cfg))
     policy, base = setup.policy, setup.base.base_transformer
 

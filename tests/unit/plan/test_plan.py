@@ -17,7 +17,7 @@ import torch
 from peft import LoraConfig
 
 from chunk_grpo.cli.plan import main as plan_main
-from chunk_grpo.config.schema import build_config
+from chunk_grpo.config.parsing import build_config
 from chunk_grpo.plan.activations import (
     Adapters,
     CallPrecision,
@@ -66,7 +66,7 @@ def _row(plan, part_start: str):
 
 
 def _embedded_cfg(**overrides):
-    return build_config(None, dict(device="cuda", **overrides))
+    return build_config(None, {"run.device": "cuda", **overrides})
 
 
 # ----------------------------------------------------------------------------- sizes on meta
@@ -208,7 +208,8 @@ def test_a_config_that_cannot_fit_names_the_levers_by_effect():
 def test_settings_resolve_dtypes_per_device():
     cuda = settings_from_config(_embedded_cfg(), 1)
     assert (cuda.compute_dtype, cuda.weights_dtype) == ("bf16", "bf16")
-    cpu = settings_from_config(build_config(None, dict(device="cpu", mixed_precision="no")), 1)
+    cpu = settings_from_config(build_config(None, {"run.device": "cpu",
+                                                   "model.mixed_precision": "no"}), 1)
     assert (cpu.compute_dtype, cpu.weights_dtype) == ("fp32", "fp32")
     plan = build_plan(cuda, 80 * GB)
     assert _row(plan, "CUDA context").gpu_bytes == 3 * GB

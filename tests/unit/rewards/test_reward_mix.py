@@ -9,8 +9,8 @@ from trainer_utils import tiny_config, tiny_model_dir
 from chunk_grpo.algorithm.advantages import per_reward_advantages
 from chunk_grpo.algorithm.rollout import RolloutSettings, sample_rollouts
 from chunk_grpo.config.errors import ConfigError
+from chunk_grpo.config.parsing import build_config, parse_args
 from chunk_grpo.config.reward_spec import RewardSpecError, format_reward_spec, parse_reward_spec
-from chunk_grpo.config.schema import build_config, parse_args
 from chunk_grpo.rewards import build_reward, register_reward
 from chunk_grpo.runtime import distributed as D
 from chunk_grpo.train.loop import run, train_iteration
@@ -97,15 +97,15 @@ def test_config_takes_a_yaml_mapping_or_a_flag(tmp_path):
     _, overrides, _ = parse_args(["--reward", "test_brightness=1.0,my_mod:red=0.5"])
     assert build_config(None, overrides).reward.name == "test_brightness=1.0,my_mod:red=0.5"
     with pytest.raises(ConfigError, match="reward: reward entry 'clip=x'"):
-        build_config(None, {"reward": "shapes,clip=x"})
+        build_config(None, {"reward.name": "shapes,clip=x"})
     with pytest.raises(ConfigError, match="reward: reward 'a'"):
-        build_config(None, {"reward": {"a": [1]}})
+        build_config(None, {"reward.name": {"a": [1]}})
     with pytest.raises(ConfigError, match="mix_advantage must be one of total, per_reward"):
-        build_config(None, {"mix_advantage": "mean"})
+        build_config(None, {"reward.mix_advantage": "mean"})
     with pytest.raises(ConfigError, match="reward_device must be"):
-        build_config(None, {"reward_device": "gpu"})
+        build_config(None, {"reward.device": "gpu"})
     with pytest.raises(ConfigError, match="reward_batch_size must be >= 0"):
-        build_config(None, {"reward_batch_size": -1})
+        build_config(None, {"reward.batch_size": -1})
 
 
 # ----------------------------------------------------------------------------- the mix
@@ -145,10 +145,10 @@ def test_device_and_dtype_reach_factories_that_take_them(tmp_path):
     assert Recorder.made == [want, want]  # Brightness takes no options and still builds
     # The trainer: the reward_device (else its own device), bf16 on CUDA, fp32 on the CPU.
     Recorder.made.clear()
-    cfg = tiny_config(tmp_path, tmp_path / "run", reward="test_mix_recorder")
+    cfg = tiny_config(tmp_path, tmp_path / "run", {"reward.name": "test_mix_recorder"})
     resolve_reward(cfg, torch.device("cpu"))
-    cfg_cuda = tiny_config(tmp_path, tmp_path / "run", reward="test_mix_recorder",
-                           reward_device="cuda:0")
+    cfg_cuda = tiny_config(tmp_path, tmp_path / "run", {"reward.name": "test_mix_recorder",
+                                                        "reward.device": "cuda:0"})
     resolve_reward(cfg_cuda, torch.device("cpu"))
     assert Recorder.made == [{"device": torch.device("cpu"), "dtype": torch.float32},
                              {"device": torch.device("cuda:0"), "dtype": torch.bfloat16}]
@@ -181,9 +181,9 @@ def test_per_reward_advantages_by_hand():
 
 def test_run_logs_every_reward_and_the_weighted_total(tmp_path):
     model = tiny_model_dir(tmp_path)
-    out = run(tiny_config(model, tmp_path / "run", max_steps=1,
-                          reward="test_brightness=1.0,test_mix_red=0.5",
-                          mix_advantage="per_reward"))
+    out = run(tiny_config(model, tmp_path / "run", {"run.max_steps": 1,
+                                                    "reward.name": "test_brightness=1.0,test_mix_red=0.5",
+                                                    "reward.mix_advantage": "per_reward"}))
     record = read_metrics(out / "metrics.jsonl")[0]
     for key in ("reward/test_brightness_mean", "reward/test_brightness_std",
                 "reward/test_mix_red_mean", "reward/test_mix_red_std", "time/reward_scoring"):
@@ -200,8 +200,9 @@ def test_overlapped_scoring_gives_the_same_iteration(tmp_path):
     model = tiny_model_dir(tmp_path)
     results = []
     for overlap in (True, False):
-        cfg = tiny_config(model, tmp_path / f"run{overlap}", rollout_batch_size=3,
-                          reward="test_brightness=1.0,test_mix_red=0.5", reward_overlap=overlap)
+        cfg = tiny_config(model, tmp_path / f"run{overlap}", {"sampling.batch_size": 3,
+                                                              "reward.name": "test_brightness=1.0,test_mix_red=0.5",
+                                                              "reward.overlap": overlap})
         tr = build_trainer(cfg, tmp_path / f"run{overlap}", D.DistInfo())
         metrics, finite = train_iteration(tr, 0)
         assert finite
@@ -223,9 +224,12 @@ def test_rollout_hook_sees_each_batch_in_order(tmp_path):
 
 
 def test_g2rpo_per_reward_advantages_sum_over_finishes_and_rewards(tmp_path):
-    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", algorithm="g2rpo",
-                      shared_noise=True, g2rpo_granularities="1,2", mix_advantage="per_reward",
-                      reward="test_brightness=1.0,test_mix_red=0.5", adv_clip_max=None)
+    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", {"sampling.algorithm": "g2rpo",
+                                                                   "sampling.shared_noise": True,
+                                                                   "sampling.g2rpo_granularities": "1,2",
+                                                                   "reward.mix_advantage": "per_reward",
+                                                                   "reward.name": "test_brightness=1.0,test_mix_red=0.5",
+                                                                   "loss.adv_clip_max": None})
     tr = build_trainer(cfg, tmp_path / "run", D.DistInfo())
     scored = []
     score = tr.reward_fn.score

@@ -21,7 +21,7 @@ from trainer_utils import tiny_config, tiny_model_dir
 from chunk_grpo.cli.reward_server import main as server_main
 from chunk_grpo.cli.runner import run_command
 from chunk_grpo.config.errors import ConfigError
-from chunk_grpo.config.schema import build_config
+from chunk_grpo.config.parsing import build_config
 from chunk_grpo.rewards import RemoteReward, RewardUnavailableError, build_reward
 from chunk_grpo.rewards.outputs import RewardOutputError
 from chunk_grpo.rewards.remote import decode_score_request, encode_score_request
@@ -211,7 +211,7 @@ def test_a_server_that_never_answers_times_out():
 def test_bad_server_urls_are_config_errors():
     for spec in ("remote:localhost:8000", "remote:http://127.0.0.1"):
         with pytest.raises(ConfigError, match="remote:http://HOST:PORT"):
-            build_config(None, {"reward": spec})
+            build_config(None, {"reward.name": spec})
 
 
 @pytest.mark.slow
@@ -219,8 +219,9 @@ def test_a_run_whose_reward_server_dies_stops_with_an_intact_checkpoint(tmp_path
     _write_module(tmp_path)
     server = Server("srv_rewards:bright", tmp_path)
     model = tiny_model_dir(tmp_path)
-    cfg = tiny_config(model, tmp_path / "run", reward=f"remote:{server.url}", max_steps=3,
-                      checkpoint_every=1)
+    cfg = tiny_config(model, tmp_path / "run", {"reward.name": f"remote:{server.url}",
+                                                "run.max_steps": 3,
+                                                "run.checkpoint_every": 1})
 
     def kill_after_first_step(step, metrics):
         if step == 1:
@@ -244,8 +245,9 @@ def test_a_run_whose_reward_server_dies_stops_with_an_intact_checkpoint(tmp_path
     sys.path.insert(0, str(tmp_path))
     again = InProcessServer("srv_rewards:bright")
     try:
-        resumed = tiny_config(model, tmp_path / "run", reward=f"remote:{again.url}",
-                              max_steps=3, checkpoint_every=1)
+        resumed = tiny_config(model, tmp_path / "run", {"reward.name": f"remote:{again.url}",
+                                                        "run.max_steps": 3,
+                                                        "run.checkpoint_every": 1})
         run(resumed, run_dir=tmp_path / "run", resume=True)
     finally:
         again.stop()

@@ -23,8 +23,8 @@ from PIL import Image
 from trainer_utils import tiny_config, tiny_model_dir
 
 from chunk_grpo.config.errors import ConfigError
+from chunk_grpo.config.parsing import build_config
 from chunk_grpo.config.reward_spec import RewardSpecError
-from chunk_grpo.config.schema import build_config
 from chunk_grpo.rewards import RewardUnavailableError, build_reward, get_reward
 from chunk_grpo.rewards.judge_options import judge_options
 from chunk_grpo.rewards.outputs import RewardOutputError
@@ -337,18 +337,18 @@ def test_bad_options_are_one_line_errors_before_anything_loads(tmp_path, text, m
         judge_options(str(path))
     assert message.replace("{path}", str(path)) in str(err.value)
     assert "\n" not in str(err.value)
-    cfg = build_config(None, {"reward": f"judge:{path}"})  # the spec parses ...
+    cfg = build_config(None, {"reward.name": f"judge:{path}"})  # the spec parses ...
     with pytest.raises(ConfigError, match="^reward: "):  # ... the options fail at the check
         check_reward_name(cfg)
 
 
 def test_bad_judge_specs_are_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="name the judge's server or options file"):
-        build_config(None, {"reward": "judge:"})
+        build_config(None, {"reward.name": "judge:"})
     for spec, fragment in ((f"judge:{tmp_path}/none.yaml", "does not exist"),
                            ("judge:localhost:8000", "name the judge's server or options file")):
         with pytest.raises(ConfigError, match=fragment):
-            check_reward_name(build_config(None, {"reward": spec}))
+            check_reward_name(build_config(None, {"reward.name": spec}))
     with pytest.raises(ValueError, match="a judge needs its server"):
         get_reward("judge")
 
@@ -368,8 +368,10 @@ def test_a_training_step_scores_its_rollouts_with_the_judge(server, tmp_path):
     path = tmp_path / "judge.yaml"
     path.write_text(yaml.safe_dump({"base_url": server.url, "model": MODEL, "template": TEMPLATE,
                                     "max_concurrency": 4}))
-    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", reward=f"judge:{path}",
-                      max_steps=1, eval_images=2, final_eval_images=2)
+    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", {"reward.name": f"judge:{path}",
+                                                                   "run.max_steps": 1,
+                                                                   "eval.images": 2,
+                                                                   "eval.final_images": 2})
     run(cfg)
     record = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]
     rows = cfg.sampling.prompts_per_step * cfg.sampling.group_size

@@ -22,7 +22,7 @@ from trainer_utils import tiny_config, tiny_model_dir
 from chunk_grpo.analysis.ablate import train_resumably
 from chunk_grpo.cli.runner import run_command
 from chunk_grpo.cli.train import main
-from chunk_grpo.config.schema import build_config
+from chunk_grpo.config.parsing import build_config
 from chunk_grpo.runtime.parallelize import trainable_parameters
 from chunk_grpo.train.checkpoint import (
     CheckpointError,
@@ -90,7 +90,8 @@ def _state_with_payload(marker: pathlib.Path) -> bytes:
 def finished_run(tmp_path_factory):
     """A finished one-process run with a checkpoint at step 1."""
     root = tmp_path_factory.mktemp("safety")
-    return run(tiny_config(tiny_model_dir(root), root / "run", max_steps=1, checkpoint_every=1))
+    return run(tiny_config(tiny_model_dir(root), root / "run", {"run.max_steps": 1,
+                                                                "run.checkpoint_every": 1}))
 
 
 @pytest.mark.parametrize("manifest", ["rewritten", "deleted"])
@@ -112,7 +113,7 @@ def test_an_ablation_cell_checkpoint_with_a_payload_is_refused(finished_run, tmp
     cell, marker = tmp_path / "cells" / "step-s0", tmp_path / "pwned"
     shutil.copytree(finished_run, cell)
     _tamper(latest_checkpoint(cell), "state.pt", _state_with_payload(marker), "rewritten")
-    cfg = build_config(cell / "config.yaml", {"max_steps": 2})
+    cfg = build_config(cell / "config.yaml", {"run.max_steps": 2})
     line = _one_line_exit_2(lambda: train_resumably(cfg, cell), capsys)
     assert "holds objects other than tensors" in line and not marker.exists()
     shutil.copytree(finished_run, cell, dirs_exist_ok=True)  # the manifest deleted

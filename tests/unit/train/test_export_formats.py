@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from chunk_grpo.cli.train import main
 from chunk_grpo.config.errors import ConfigError
-from chunk_grpo.config.schema import build_config
+from chunk_grpo.config.parsing import build_config
 from chunk_grpo.config.specs import export_formats
 from chunk_grpo.evaluate.evaluation import evaluate_policy
 from chunk_grpo.models import EMBEDDED_MODEL, FluxPolicy

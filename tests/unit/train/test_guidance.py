@@ -20,7 +20,7 @@ def guided_model(tmp_path_factory):
 def test_guidance_field_sets_the_models_guidance(guided_model, tmp_path):
     default = load_policy(tiny_config(guided_model, tmp_path), torch.device("cpu"))
     assert default.guidance_scale == 3.5  # the side file's (FLUX.1-dev's) default
-    policy = load_policy(tiny_config(guided_model, tmp_path, guidance=5.0), torch.device("cpu"))
+    policy = load_policy(tiny_config(guided_model, tmp_path, {"model.guidance": 5.0}), torch.device("cpu"))
     assert policy.guidance_scale == 5.0
     x = policy.initial_noise(1, torch.Generator().manual_seed(0))
     embeds = policy.encode_prompts(["a red cat"])
@@ -33,4 +33,4 @@ def test_guidance_field_sets_the_models_guidance(guided_model, tmp_path):
 def test_guidance_for_a_model_without_guidance_embedding_is_an_error(tmp_path):
     plain = save_tiny_flux(tmp_path / "plain", WORDS)
     with pytest.raises(ConfigError, match="no guidance embedding .* remove guidance"):
-        load_policy(tiny_config(plain, tmp_path, guidance=5.0), torch.device("cpu"))
+        load_policy(tiny_config(plain, tmp_path, {"model.guidance": 5.0}), torch.device("cpu"))

@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from chunk_grpo.config.errors import ConfigError
-from chunk_grpo.config.schema import build_config
+from chunk_grpo.config.parsing import build_config
 from chunk_grpo.train.metrics import MetricsLogger, read_metrics
 
 

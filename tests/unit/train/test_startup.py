@@ -14,7 +14,7 @@ from trainer_utils import tiny_config, tiny_model_dir
 from chunk_grpo.algorithm.dynamics import measure_dynamics, shared_dynamics
 from chunk_grpo.cli.cache_prompts import main as cache_prompts_main
 from chunk_grpo.config.errors import ConfigError
-from chunk_grpo.config.schema import build_config
+from chunk_grpo.config.parsing import build_config
 from chunk_grpo.models import FluxPolicy
 from chunk_grpo.models.prompt_cache import PromptCache, fill_prompt_cache
 from chunk_grpo.runtime import distributed as D
@@ -82,9 +82,11 @@ def test_cache_prompts_then_the_run_never_encodes_a_prompt(tmp_path, capsys, mon
 
     monkeypatch.setattr(FluxPolicy, "encode_with_text_encoders", refuse)
     from chunk_grpo.train.loop import run
-    cfg = tiny_config(model, tmp_path / "run", max_steps=1, lora_rank=4, train_prompts=str(train),
-                      eval_prompts=str(heldout), text_encoders="cache",
-                      prompt_cache_dir=str(tmp_path / "cache"))
+    cfg = tiny_config(model, tmp_path / "run", {"run.max_steps": 1, "model.lora_rank": 4,
+                                                "data.train_prompts": str(train),
+                                                "data.eval_prompts": str(heldout),
+                                                "model.text_encoders": "cache",
+                                                "model.prompt_cache_dir": str(tmp_path / "cache")})
     run(cfg)
     assert len(list(fill.cache.directory.glob("*.safetensors"))) == 4
 
@@ -169,7 +171,7 @@ def _reads_per_iteration(tmp_path, monkeypatch, micro_batch_size: int) -> tuple[
     from chunk_grpo.train import loop as train
 
     cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / f"run{micro_batch_size}",
-                      micro_batch_size=micro_batch_size, chunk_fraction=1.0)
+                      {"optim.micro_batch_size": micro_batch_size, "chunks.fraction": 1.0})
     tr = train.build_trainer(cfg, tmp_path / f"run{micro_batch_size}", D.init_distributed("cpu"))
     counts = {"all": 0, "update": 0}
     updating = [False]
