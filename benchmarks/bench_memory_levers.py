@@ -1,5 +1,5 @@
-"""Weight memory of FLUX.1-dev per GPU, before and after the memory levers of `weights_dtype`,
-`text_encoders: cache` and the hybrid base from the same weights.
+"""Weight memory of FLUX.1-dev per GPU, before and after the memory levers of
+`model.weights_dtype`, `model.text_encoders: cache` and the hybrid base from the same weights.
 
     python benchmarks/bench_memory_levers.py [--lora-rank 64] [--lora-targets attention+text]
 

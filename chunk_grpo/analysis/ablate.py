@@ -172,7 +172,8 @@ def cell_config(base: dict[str, Any], cell: Cell, seed: int, minutes: float) -> 
             f"cell {cell.name}: chunk size {size} exceeds the {cfg.num_trained} trained "
             f"transitions (num_steps {cfg.sampling.steps}, sde_window "
             f"{cfg.sampling.sde_window}); use "
-            f"--sampling.sde_window 0 (every step) or a larger one, or leave the cell out with --cells")
+            "--sampling.sde_window 0 (every step) or a larger one, or leave the cell out with "
+            "--cells")
     return cfg
 
 

@@ -334,7 +334,7 @@ def resume_batch_plan(*, saved_world_size: int, saved_prompts_per_step: int,
         after = requested_prompts_per_step * world_size
         return BatchPlan(requested_prompts_per_step, saved_grad_accum,
                          f"[chunk-grpo] resuming a {saved_world_size}-rank checkpoint on "
-                         f"{world_size} rank(s) with prompts_per_step "
+                         f"{world_size} rank(s) with sampling.prompts_per_step "
                          f"{requested_prompts_per_step} as given: the global batch changes from "
                          f"{before} to {after} prompts per iteration")
     if same:
@@ -346,14 +346,16 @@ def resume_batch_plan(*, saved_world_size: int, saved_prompts_per_step: int,
                 if total % n == 0 and accum_total % n == 0]
         raise WorldSizeError(
             f"the checkpoint's global batch ({saved_prompts_per_step} prompts x "
-            f"{saved_world_size} ranks = {total} per iteration, grad_accum {saved_grad_accum}) "
+            f"{saved_world_size} ranks = {total} per iteration, optim.grad_accum "
+            f"{saved_grad_accum}) "
             f"cannot be split over {world_size} ranks; resume on {', '.join(map(str, fits))} "
             f"rank(s), or pass --sampling.prompts_per_step to change the global batch")
     pps, accum = total // world_size, accum_total // world_size
-    accum_note = f" and grad_accum {saved_grad_accum} -> {accum}" if saved_grad_accum else ""
+    accum_note = (f" and optim.grad_accum {saved_grad_accum} -> {accum}" if saved_grad_accum
+                  else "")
     return BatchPlan(pps, accum,
                      f"[chunk-grpo] resuming a {saved_world_size}-rank checkpoint on {world_size} "
-                     f"rank(s): prompts_per_step {saved_prompts_per_step} -> {pps} per "
+                     f"rank(s): sampling.prompts_per_step {saved_prompts_per_step} -> {pps} per "
                      f"rank{accum_note}; the global batch stays {total} prompts per iteration")
 
 

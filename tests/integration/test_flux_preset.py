@@ -72,18 +72,11 @@ def preset_overrides(tmp_path: Path, model: Path, reward: str, out: Path) -> lis
     train.write_text("\n".join(TRAIN_PROMPTS) + "\n")
     heldout = tmp_path / "test_prompts.txt"
     heldout.write_text("\n".join(EVAL_PROMPTS) + "\n")
-    return [
-        "--model", str(model),  # the toy FLUX.1-dev-shaped directory (no hub access)
-        "--reward", reward,  # the tiny HPSv3 checkpoint, registered from a user module
-        "--train-prompts", str(train), "--eval-prompts", str(heldout),  # HPDv2.1 is not here
-        "--output-dir", str(out),
-        "--device", "cpu",  # the preset says cuda
-        "--height", "64", "--width", "64",  # 720x720 is minutes per image on a CPU
-        "--max-steps", "1",  # one iteration (the preset: 150)
-        "--eval-images", "2", "--final-eval-images", "2",  # the preset's 400 each
-        "--progress", "false",
-        "--prompt-cache-dir", str(tmp_path / "prompt-cache"),  # not the user's ~/.cache
-    ]
+    return ["--model.name", str(model), "--reward.name", reward, "--data.train_prompts",
+            str(train), "--data.eval_prompts", str(heldout), "--run.output_dir", str(out),
+            "--run.device", "cpu", "--model.height", "64", "--model.width", "64",
+            "--run.max_steps", "1", "--eval.images", "2", "--eval.final_images", "2",
+            "--run.progress", "false", "--model.prompt_cache_dir", str(tmp_path / "prompt-cache")]
 
 
 @pytest.mark.slow

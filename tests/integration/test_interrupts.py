@@ -74,12 +74,13 @@ def test_a_signal_while_a_reward_blocks_exits_at_once(tmp_path, sig, status, wha
     out, marker = tmp_path / "run", tmp_path / "blocking"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)]),
            "OMP_NUM_THREADS": "1", "BLOCK_MARKER": str(marker)}
-    args = ["--model", str(tiny_model_dir(tmp_path)), "--reward", "blocking_reward:blocks",
-            "--output-dir", str(out), "--num-steps", "5", "--group-size", "4",
-            "--prompts-per-step", "2", "--chunks", "2,2", "--max-steps", "5",
-            "--checkpoint-every", "1", "--eval-hybrid-steps", "0", "--eval-every", "0",
-            "--progress", "false", "--lora-rank", "0", "--mixed-precision", "no",
-            "--max-minutes", "0", "--sde-window", "0"]
+    args = ["--model.name", str(tiny_model_dir(tmp_path)), "--reward.name",
+            "blocking_reward:blocks", "--run.output_dir", str(out), "--sampling.steps", "5",
+            "--sampling.group_size", "4", "--sampling.prompts_per_step", "2", "--chunks.spec",
+            "2,2", "--run.max_steps", "5", "--run.checkpoint_every", "1", "--eval.hybrid_steps",
+            "0", "--eval.every", "0", "--run.progress", "false", "--model.lora_rank", "0",
+            "--model.mixed_precision", "no", "--run.max_minutes", "0", "--sampling.sde_window",
+            "0"]
     proc = subprocess.Popen([sys.executable, "-m", "chunk_grpo.train", *args], cwd=tmp_path,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 180

@@ -101,7 +101,7 @@ def test_a_two_rank_checkpoint_resumes_on_one_process_and_on_two(setup):
     for where in ("one", "two"):
         resumed = root / f"resumed-{where}"
         subprocess.run(["cp", "-r", str(root / "stop"), str(resumed)], check=True)
-        out = _train(1 if where == "one" else 2, "--resume", str(resumed), "--max-steps", "2")
+        out = _train(1 if where == "one" else 2, "--resume", str(resumed), "--run.max_steps", "2")
         if where == "one":
             assert "resuming a 2-rank checkpoint on 1 rank(s)" in out
         wa, wb = _weights(resumed), _weights(reference)

@@ -43,12 +43,13 @@ except ValueError:
 def test_cli_two_steps_auto_chunks_and_export(tmp_path):
     model = tiny_model_dir(tmp_path)
     out = tmp_path / "run"
-    main(["--model", str(model), "--reward", "test_brightness", "--output-dir", str(out),
-          "--num-steps", "6", "--group-size", "4", "--prompts-per-step", "2",
-          "--micro-batch-size", "4", "--chunks", "auto", "--weighted-chunks", "true",
-          "--sde-window", "0", "--chunk-fraction", "0.5", "--max-steps", "2", "--eval-images", "4",
-          "--final-eval-images", "6", "--eval-hybrid-steps", "2", "--image-grid-every", "1",
-          "--progress", "false", "--lr", "1e-3"])
+    main(["--model.name", str(model), "--reward.name", "test_brightness", "--run.output_dir",
+          str(out), "--sampling.steps", "6", "--sampling.group_size", "4",
+          "--sampling.prompts_per_step", "2", "--optim.micro_batch_size", "4", "--chunks.spec",
+          "auto", "--chunks.weighted", "true", "--sampling.sde_window", "0", "--chunks.fraction",
+          "0.5", "--run.max_steps", "2", "--eval.images", "4", "--eval.final_images", "6",
+          "--eval.hybrid_steps", "2", "--run.image_grid_every", "1", "--run.progress", "false",
+          "--optim.lr", "1e-3"])
     saved = load_saved_config(out / "config.yaml")
     assert saved.get("num_steps") == 6 and saved.get("chunks") == "auto"
     profile = json.loads((out / "profile.json").read_text())
@@ -100,9 +101,10 @@ def test_cli_two_steps_auto_chunks_and_export(tmp_path):
     # The exported model is a diffusers directory with the sampling defaults of the base.
     exported = FluxPolicy.from_pretrained(out / "final_model")
     assert (exported.height, exported.max_sequence_length) == (32, 8)
-    result = evaluate_cli.main(["--model", str(out / "final_model"), "--reward", "test_brightness",
-                            "--max-prompts", "4", "--out", str(tmp_path / "eval"),
-                            "--hybrid-base", str(model), "--hybrid-steps", "2"])
+    result = evaluate_cli.main(["--model.name", str(out / "final_model"), "--reward.name",
+                                "test_brightness", "--max-prompts", "4", "--out",
+                                str(tmp_path / "eval"), "--hybrid-base", str(model),
+                                "--hybrid-steps", "2"])
     assert result.n == 4 and 0.0 <= result.reward_mean <= 1.0
 
 
@@ -115,14 +117,16 @@ def test_cli_trains_on_a_users_reward_module_and_resumes_with_it(tmp_path, monke
         "    return lambda images, prompts: 1.0 - images.float().mean(dim=(1, 2, 3))\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     out = tmp_path / "run"
-    common = ["--model", str(tiny_model_dir(tmp_path)), "--output-dir", str(out), "--num-steps",
-              "4", "--group-size", "2", "--prompts-per-step", "2", "--micro-batch-size", "4",
-              "--chunks", "3", "--sde-window", "3", "--eval-every", "0", "--image-grid-every", "0",
-              "--progress", "false", "--checkpoint-every", "1", "--eval-hybrid-steps", "2"]
-    main([*common, "--reward", "user_rewards_e2e:test_user_darkness", "--max-steps", "1"])
+    common = ["--model.name", str(tiny_model_dir(tmp_path)), "--run.output_dir", str(out),
+              "--sampling.steps", "4", "--sampling.group_size", "2",
+              "--sampling.prompts_per_step", "2", "--optim.micro_batch_size", "4",
+              "--chunks.spec", "3", "--sampling.sde_window", "3", "--eval.every", "0",
+              "--run.image_grid_every", "0", "--run.progress", "false", "--run.checkpoint_every",
+              "1", "--eval.hybrid_steps", "2"]
+    main([*common, "--reward.name", "user_rewards_e2e:test_user_darkness", "--run.max_steps", "1"])
     assert load_saved_config(out / "config.yaml").get("reward") == (
         "user_rewards_e2e:test_user_darkness")
-    main(["--resume", str(out), "--max-steps", "2"])
+    main(["--resume", str(out), "--run.max_steps", "2"])
     records = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2] and 0.0 < records[1]["reward_mean"] < 1.0
 
@@ -262,7 +266,9 @@ def test_a_guard_that_falls_beyond_eval_guard_stop_ends_the_run_cleanly(tmp_path
                                                                    "eval.hybrid_steps": 2,
                                                                    "eval.images": 4,
                                                                    "eval.final_images": 4,
-                                                                   **{"eval.guard_reward": "test_falling_guard", "eval.guard_stop": 0.1}})
+                                                                   "eval.guard_reward":
+                                                                   "test_falling_guard",
+                                                                   "eval.guard_stop": 0.1})
     try:
         out = run(cfg, on_step_end=fall_after_step_1)
     finally:

@@ -88,7 +88,7 @@ def test_resume_flag_continues_the_saved_run(tmp_path):
     first = run(tiny_config(model, tmp_path / "run", {"run.max_steps": 2,
                                                       "run.checkpoint_every": 1}))
     assert latest_checkpoint(first).name == "step-00000002"
-    resumed = main(["--resume", str(first), "--max-steps", "3"])
+    resumed = main(["--resume", str(first), "--run.max_steps", "3"])
     assert resumed == first
     assert [r["step"] for r in read_metrics(first / "metrics.jsonl")] == [1, 2, 3]
     assert load_checkpoint(first, restore_rng=False)["step"] == 3
@@ -122,12 +122,12 @@ def test_resuming_a_finished_run_changes_nothing_unless_max_steps_is_raised(tmp_
     assert main(["--resume", str(out)]) == out
     assert f"{out} finished at step 2" in capsys.readouterr().out
     with pytest.raises(SystemExit) as stop:
-        run_command(lambda: main(["--resume", str(out), "--max-steps", "1"]), "prog")
+        run_command(lambda: main(["--resume", str(out), "--run.max_steps", "1"]), "prog")
     err = capsys.readouterr().err.strip().splitlines()
     assert stop.value.code == 2 and err[-1].startswith("prog: error: ")
     assert "is at step 2, beyond max_steps 1: nothing to train and nothing changed" in err[-1]
     assert _files(out) == before
-    main(["--resume", str(out), "--max-steps", "3"])  # raised: trains on, a new summary
+    main(["--resume", str(out), "--run.max_steps", "3"])  # raised: trains on, a new summary
     records = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3]
     # the chunks trained are counted over the whole run, across the resume
@@ -201,12 +201,13 @@ def test_keys_that_cannot_change_on_resume_are_refused_in_one_line(tmp_path, cap
     def refused(*flags) -> str:
         capsys.readouterr()
         with pytest.raises(SystemExit) as stop:
-            run_command(lambda: main(["--resume", str(out), "--max-steps", "2", *flags]), "prog")
+            run_command(lambda: main(["--resume", str(out), "--run.max_steps", "2", *flags]),
+                        "prog")
         lines = [line for line in capsys.readouterr().err.splitlines() if "prog:" in line]
         assert stop.value.code == 2 and len(lines) == 1
         return lines[0]
 
-    line = refused("--lora-rank", "2", "--chunks", "1,3")
+    line = refused("--model.lora_rank", "2", "--chunks.spec", "1,3")
     assert ("cannot change on resume (model.lora_rank 0 -> 2; chunks.spec '2,2' -> '1,3')"
             in line)
     assert _files(out) == before
@@ -221,7 +222,8 @@ def test_settings_changed_on_resume_are_applied_and_listed(tmp_path, capsys):
                                                                        "run.checkpoint_every": 1,
                                                                        "optim.lr": 1e-3}))
     capsys.readouterr()
-    main(["--resume", str(out), "--max-steps", "3", "--lr", "5e-4", "--weight-decay", "0.1"])
+    main(["--resume", str(out), "--run.max_steps", "3", "--optim.lr", "5e-4",
+          "--optim.weight_decay", "0.1"])
     lines = [line for line in capsys.readouterr().out.splitlines() if "changed settings" in line]
     assert lines == ["[chunk-grpo] resuming with changed settings: optim.lr 0.001 -> 0.0005, "
                      "optim.weight_decay 0.0 -> 0.1, run.max_steps 2 -> 3"]

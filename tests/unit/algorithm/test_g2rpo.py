@@ -31,7 +31,7 @@ def policy(tmp_path_factory):
 
 
 def _sample(policy, branch_step, seed=0, **overrides):
-    settings = RolloutSettings(**{**KW, "seed": seed, **overrides})
+    settings = RolloutSettings(**{**KW, "run.seed": seed, **overrides})
     return sample_branch_rollouts(policy, PROMPTS, settings, branch_step=branch_step,
                                   granularities=(1, 2))
 

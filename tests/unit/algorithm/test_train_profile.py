@@ -17,7 +17,7 @@ from chunk_grpo.models import FluxPolicy
 def test_profile_cli(tmp_path, capsys):
     model = tiny_model_dir(tmp_path)
     out = tmp_path / "prof"
-    layout = profile.main(["--model", str(model), "--prompts", "3", "--num-steps", "8",
+    layout = profile.main(["--model.name", str(model), "--prompts", "3", "--sampling.steps", "8",
                            "--out", str(out)])
     printed = capsys.readouterr().out
     assert "proposed chunks: " + ",".join(map(str, layout.sizes)) in printed

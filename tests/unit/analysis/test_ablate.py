@@ -80,10 +80,11 @@ def test_a_passed_flag_reaches_every_cell_and_a_too_big_chunk_names_its_cell():
     (["--cells", "step,chunk3"], "unknown cell 'chunk3'; choose from step, chunk2"),
     (["--seeds", ","], "--seeds is empty"),
     (["--seeds", "0,x"], "--seeds must be comma-separated integers"),
-    (["--cells", "chunk4", "--sde-window", "2"], "cell chunk4: chunk size 4 exceeds the 2"),
-    (["--chunks", "2,2"], "--chunks is set by the ablation; use --cells"),
-    (["--seed", "3"], "--seed is set by the ablation; use --seeds"),
-    (["--minutes", "0"], "--minutes 0 needs --max-steps"),
+    (["--cells", "chunk4", "--sampling.sde_window", "2"],
+     "cell chunk4: chunk size 4 exceeds the 2"),
+    (["--chunks.spec", "2,2"], "--chunks.spec is set by the ablation; use --cells"),
+    (["--run.seed", "3"], "--run.seed is set by the ablation; use --seeds"),
+    (["--minutes", "0"], "--minutes 0 needs --run.max_steps"),
     (["--resume", "x"], "rerun the same command"),
 ])
 def test_bad_input_is_a_one_line_error(tmp_path, capsys, argv, message):
@@ -134,7 +135,7 @@ def test_a_finished_run_is_not_retrained(finished, model, monkeypatch, capsys):
     # The same ablation from the command line: every flag a string, as typed.
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in tiny_base(model).items()]
     again = ablate_cli.main(["--out", str(out), "--cells", "chunk2,g2rpo", "--seeds", "0",
-                         "--minutes", "0", "--eval-images", "4", *flags])
+                         "--minutes", "0", "--eval.images", "4", *flags])
     assert again == table
     assert table in capsys.readouterr().out
     assert (out / "cells" / "chunk2-s0" / "result.json").stat().st_mtime_ns == mtime
@@ -205,8 +206,8 @@ def test_quick_shortens_the_budget_unless_told_otherwise():
     assert quick.minutes == ablate.QUICK["minutes"] and quick.eval_images == 16
     assert quick.base["prompts_per_step"] == 2 and quick.base["sde_window"] == 0
     assert [c.name for c in quick.cells] == list(ablate.CELLS) and quick.seeds == [0, 1, 2]
-    told = ablate.parse_ablation_args(["--quick", "--minutes", "2", "--prompts-per-step", "4",
-                                       "--eval-images", "8", "--sde-window", "5"])
+    told = ablate.parse_ablation_args(["--quick", "--minutes", "2", "--sampling.prompts_per_step",
+                                       "4", "--eval.images", "8", "--sampling.sde_window", "5"])
     assert (told.minutes, told.eval_images) == (2.0, 8)
     assert told.base["prompts_per_step"] == "4" and told.base["sde_window"] == "5"
     full = ablate.parse_ablation_args([])

@@ -79,7 +79,8 @@ def test_gradients_leave_the_trainer_as_it_was(model_dir, tmp_path):
 
 
 def test_per_chunk_gradients_add_up_to_the_iteration_gradient(model_dir, tmp_path):
-    cfg = tiny_config(model_dir, tmp_path / "run", {"chunks.fraction": 1.0})  # chunks 2,2; 2 batches
+    # chunks 2,2; 2 batches
+    cfg = tiny_config(model_dir, tmp_path / "run", {"chunks.fraction": 1.0})
     tr = build_trainer(cfg, tmp_path / "run", D.init_distributed("cpu"))
     total, _ = iteration_gradients(tr, [0, 1, 2], progress=False)
     by_chunk, _ = iteration_gradients(tr, [0, 1, 2], progress=False, per_chunk=True)
@@ -113,10 +114,11 @@ def test_an_image_blind_reward_shows_no_signal(model_dir, tmp_path):
 
 def test_cli_prints_and_writes_json(model_dir, tmp_path, capsys):
     out = tmp_path / "snr.json"
-    args = ["--iterations", "3", "--json", str(out), "--model", str(model_dir),
-            "--reward", "test_brightness", "--num-steps", "4", "--group-size", "2",
-            "--prompts-per-step", "2", "--chunks", "3", "--sde-window", "0",
-            "--lora-rank", "0", "--progress", "false", "--eval-hybrid-steps", "0"]
+    args = ["--iterations", "3", "--json", str(out), "--model.name", str(model_dir),
+            "--reward.name", "test_brightness", "--sampling.steps", "4", "--sampling.group_size",
+            "2", "--sampling.prompts_per_step", "2", "--chunks.spec", "3",
+            "--sampling.sde_window", "0", "--model.lora_rank", "0", "--run.progress", "false",
+            "--eval.hybrid_steps", "0"]
     main(args + ["--per-chunk"])
     printed = capsys.readouterr().out
     assert "SNR^2 per iteration" in printed and "chunk 0 (steps [0, 1, 2])" in printed
@@ -128,4 +130,4 @@ def test_cli_prints_and_writes_json(model_dir, tmp_path, capsys):
     with pytest.raises(ConfigError, match="unknown config key"):
         main(["--no-such-flag", "1"])
     with pytest.raises(ConfigError, match="G2RPO trains one branch step per iteration"):
-        main(args + ["--per-chunk", "--algorithm", "g2rpo"])
+        main(args + ["--per-chunk", "--sampling.algorithm", "g2rpo"])

@@ -76,7 +76,7 @@ def test_the_commands_are_listed_and_an_unknown_one_is_one_line(capsys):
     assert done.value.code == 0
     assert all(re.search(rf"^  {re.escape(name)} +\S", out, re.M) for name in COMMANDS)
     with pytest.raises(SystemExit) as done:
-        main(["trian", "--lr", "1"])
+        main(["trian", "--optim.lr", "1"])
     err = capsys.readouterr().err.strip().splitlines()
     assert done.value.code == 2 and len(err) == 1
     assert "unknown command 'trian'; did you mean 'train'?" in err[0]

@@ -13,7 +13,7 @@ def test_device_cuda_without_cuda_is_one_line_and_leaves_nothing(tmp_path, capsy
     # trainer on the shared CI machine): main() under run_command, as `python -m` runs it.
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as exit_info:
-        run_command(lambda: main(["--device", "cuda", "--output-dir", str(out)]),
+        run_command(lambda: main(["--run.device", "cuda", "--run.output_dir", str(out)]),
                     "python -m chunk_grpo.train")
     assert exit_info.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()

@@ -39,8 +39,8 @@ def _cli(args: list[str], tmp_path: Path, timeout: float = 120) -> subprocess.Co
 
 @pytest.mark.parametrize("args, message", [
     (["chunk_grpo.train", "--lerning-rate", "1"], "unknown config key 'lerning_rate'"),
-    (["chunk_grpo.train", "--chunks", "-1,4"], "chunks: chunk sizes must be >= 1"),
-    (["chunk_grpo.train", "--lr", "nan"], "lr must be a finite number"),
+    (["chunk_grpo.train", "--chunks.spec", "-1,4"], "chunks: chunk sizes must be >= 1"),
+    (["chunk_grpo.train", "--optim.lr", "nan"], "lr must be a finite number"),
     (["chunk_grpo.train", "--optim.lr=nan"], "optim.lr must be a finite number"),
     (["chunk_grpo.train", "--optim.lrr", "1"], "'optim.lrr' in the command line; did you mean "
                                                "'optim.lr'?"),
@@ -68,7 +68,7 @@ def test_help_answers_before_the_heavy_imports(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     imports = subprocess.run([sys.executable, "-X", "importtime", "-m", "chunk_grpo.evaluate",
                               "--help"], cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert result.returncode == 0 and "--lr" in result.stdout
+    assert result.returncode == 0 and "--optim.lr" in result.stdout
     assert imports.returncode == 0 and "--batch-size" in imports.stdout
     loaded = {line.split("|")[-1].strip() for line in imports.stderr.splitlines()}
     assert not loaded & {"torch", "diffusers", "transformers"}
@@ -122,7 +122,7 @@ def quiet(monkeypatch):
 
 
 def _one_line_exit(capsys, argv) -> tuple[int, str]:
-    argv = [*argv, "--eval-hybrid-steps", "0"]  # the tiny model samples 5 steps
+    argv = [*argv, "--eval.hybrid_steps", "0"]  # the tiny model samples 5 steps
     with pytest.raises(SystemExit) as exit_info:
         run_command(lambda: main(argv), "train", errors=(TrainingDiverged,))
     err = capsys.readouterr().err
@@ -155,8 +155,8 @@ def test_bad_prompt_files_stop_before_the_run_directory(tmp_path, capsys, model,
     path, message = _prompt_case(tmp_path, case)
     out = tmp_path / "run"
     flag = "--" + which.replace("_", "-")
-    code, err = _one_line_exit(capsys, ["--model", str(model), "--reward", "shapes",
-                                        "--output-dir", str(out), flag, str(path)])
+    code, err = _one_line_exit(capsys, ["--model.name", str(model), "--reward.name", "shapes",
+                                        "--run.output_dir", str(out), flag, str(path)])
     assert code == 2 and f"{which}: " in err and message in err
     assert not out.exists()
 
@@ -168,16 +168,17 @@ def test_a_model_without_sampling_settings_needs_a_size(tmp_path, capsys, model,
         if item.name != CONFIG_NAME:
             os.symlink(item, bare / item.name)
     out = tmp_path / "run"
-    code, err = _one_line_exit(capsys, ["--model", str(bare), "--reward", "test_brightness",
-                                        "--output-dir", str(out)])
+    code, err = _one_line_exit(capsys, ["--model.name", str(bare), "--reward.name",
+                                        "test_brightness", "--run.output_dir", str(out)])
     assert code == 2 and f"no {CONFIG_NAME}" in err and "--height H --width W" in err
     assert not out.exists()
 
 
 def test_an_unwritable_output_directory_is_one_line(tmp_path, capsys, model, quiet):
     (tmp_path / "file").write_text("in the way")
-    code, err = _one_line_exit(capsys, ["--model", str(model), "--reward", "test_brightness",
-                                        "--output-dir", str(tmp_path / "file" / "run")])
+    code, err = _one_line_exit(capsys, ["--model.name", str(model), "--reward.name",
+                                        "test_brightness", "--run.output_dir",
+                                        str(tmp_path / "file" / "run")])
     assert code == 2 and "cannot write the output directory" in err
 
 
@@ -205,11 +206,12 @@ def test_nan_weights_are_never_checkpointed(tmp_path, model):
 def test_ctrl_c_exits_130_naming_a_resumable_checkpoint(tmp_path, model):
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    args = ["--model", str(model), "--reward", "test_brightness", "--output-dir", str(out),
-            "--num-steps", "5", "--group-size", "4", "--prompts-per-step", "2", "--chunks", "2,2",
-            "--max-steps", "1000", "--checkpoint-every", "1", "--eval-hybrid-steps", "0",
-            "--eval-every", "0", "--progress", "false", "--lora-rank", "0",
-            "--mixed-precision", "no", "--max-minutes", "0", "--sde-window", "0"]
+    args = ["--model.name", str(model), "--reward.name", "test_brightness", "--run.output_dir",
+            str(out), "--sampling.steps", "5", "--sampling.group_size", "4",
+            "--sampling.prompts_per_step", "2", "--chunks.spec", "2,2", "--run.max_steps", "1000",
+            "--run.checkpoint_every", "1", "--eval.hybrid_steps", "0", "--eval.every", "0",
+            "--run.progress", "false", "--model.lora_rank", "0", "--model.mixed_precision", "no",
+            "--run.max_minutes", "0", "--sampling.sde_window", "0"]
     # the test reward lives in the tests: register it in the child before the CLI runs
     code = ("import sys, runpy; from chunk_grpo.runtime.quiet import quiet_third_party; "
             "quiet_third_party(); sys.path.insert(0, 'tests'); import trainer_utils; "

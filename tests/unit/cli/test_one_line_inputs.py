@@ -44,9 +44,9 @@ def test_a_key_given_twice_in_yaml_is_refused(tmp_path, capsys, text, message):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--chunks", "1,3", "--chunk-size", "2"],
+    (["--chunks.spec", "1,3", "--chunks.size", "2"],
      "chunks '1,3' and chunk_size 2 both set the chunk layout; give one of them"),
-    (["--sde-window", "10", "--num-steps", "4"],
+    (["--sampling.sde_window", "10", "--sampling.steps", "4"],
      "sde_window 10 is beyond the 4 sampling steps (num_steps); give at most 3"),
 ])
 def test_contradicting_or_out_of_range_settings_are_refused(tmp_path, capsys, flags, message):
@@ -63,11 +63,12 @@ def test_a_full_disk_at_a_mid_run_checkpoint_is_one_line(tmp_path, capsys, monke
 
     monkeypatch.setattr(ckpt.torch, "save", no_space)
     model, out = tiny_model_dir(tmp_path), tmp_path / "run"
-    line = _one_line(["--model", str(model), "--run.output_dir", str(out), "--max-steps", "2",
-                      "--checkpoint-every", "1", "--group-size", "2", "--prompts-per-step", "1",
-                      "--eval-images", "2", "--final-eval-images", "2", "--num-steps", "3",
-                      "--sde-window", "3", "--eval-hybrid-steps", "0", "--progress",
-                      "false", "--image-grid-every", "0"], capsys)
+    line = _one_line(["--model.name", str(model), "--run.output_dir", str(out), "--run.max_steps",
+                      "2", "--run.checkpoint_every", "1", "--sampling.group_size", "2",
+                      "--sampling.prompts_per_step", "1", "--eval.images", "2",
+                      "--eval.final_images", "2", "--sampling.steps", "3",
+                      "--sampling.sde_window", "3", "--eval.hybrid_steps", "0", "--run.progress",
+                      "false", "--run.image_grid_every", "0"], capsys)
     assert "no space left on device for a checkpoint in" in line
 
 

@@ -69,6 +69,7 @@ def test_the_config_takes_a_preset_name_and_defaults_to_both_attention_streams()
     assert lora_target_modules(TrainConfig().model.lora_targets) == [
         *LORA_PRESETS["attention"], *LORA_PRESETS["attention+text"][4:]]
     assert build_config(None, {"model.lora_targets": "all"}).model.lora_targets == ["all"]
-    assert build_config(None, {"model.lora_targets": "to_q,to_v"}).model.lora_targets == ["to_q", "to_v"]
+    assert build_config(None, {"model.lora_targets": "to_q,to_v"}).model.lora_targets == ["to_q",
+                                                                                          "to_v"]
     with pytest.raises(ConfigError, match="lora_targets: the preset 'all' cannot be mixed"):
         build_config(None, {"model.lora_targets": "all,to_q"})

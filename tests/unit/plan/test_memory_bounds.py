@@ -122,7 +122,7 @@ def test_evaluate_refuses_a_huge_image_before_loading_the_model(tmp_path, monkey
 
     monkeypatch.setattr(FluxPolicy, "from_pretrained", never)
     out = tmp_path / "eval"
-    line = _refused(lambda: evaluate.main(["--height", "100000", "--width", "100000",
+    line = _refused(lambda: evaluate.main(["--model.height", "100000", "--model.width", "100000",
                                            "--out", str(out)]), capsys)
     assert "the evaluation at 100000x100000 needs at least" in line
     assert "lower --batch-size, --height x --width" in line

@@ -219,7 +219,7 @@ def test_settings_resolve_dtypes_per_device():
 
 def test_cli_writes_json_and_exits_1_when_it_does_not_fit(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    plan_main(["--gpus", "1", "--gpu-memory", "80", "--device", "cuda", "--json", str(out)])
+    plan_main(["--gpus", "1", "--gpu-memory", "80", "--run.device", "cuda", "--json", str(out)])
     data = json.loads(out.read_text())
     assert [p["name"] for p in data["phases"]] == list(PHASES)
     assert data["fits"] and data["peak_bytes"] == max(p["gpu_bytes"] for p in data["phases"])
@@ -228,7 +228,7 @@ def test_cli_writes_json_and_exits_1_when_it_does_not_fit(tmp_path, capsys):
     assert data["host_peak_bytes"] == max(p["host_bytes"] for p in data["phases"]) > 0
     assert set(data["train_by_reduce_dtype"]) == {"fp32", "bf16"}
     with pytest.raises(SystemExit) as stop:
-        plan_main(["--gpu-memory", "0.5", "--device", "cuda"])
+        plan_main(["--gpu-memory", "0.5", "--run.device", "cuda"])
     assert stop.value.code == 1
     assert "does not fit" in capsys.readouterr().out
 

@@ -94,7 +94,7 @@ def test_config_takes_a_yaml_mapping_or_a_flag(tmp_path):
     cfg = build_config(path)
     assert cfg.reward.name == "test_brightness=1.0,test_mix_red=0.5"
     assert cfg.reward.mix_advantage == "per_reward"
-    _, overrides, _ = parse_args(["--reward", "test_brightness=1.0,my_mod:red=0.5"])
+    _, overrides, _ = parse_args(["--reward.name", "test_brightness=1.0,my_mod:red=0.5"])
     assert build_config(None, overrides).reward.name == "test_brightness=1.0,my_mod:red=0.5"
     with pytest.raises(ConfigError, match="reward: reward entry 'clip=x'"):
         build_config(None, {"reward.name": "shapes,clip=x"})
@@ -181,9 +181,9 @@ def test_per_reward_advantages_by_hand():
 
 def test_run_logs_every_reward_and_the_weighted_total(tmp_path):
     model = tiny_model_dir(tmp_path)
-    out = run(tiny_config(model, tmp_path / "run", {"run.max_steps": 1,
-                                                    "reward.name": "test_brightness=1.0,test_mix_red=0.5",
-                                                    "reward.mix_advantage": "per_reward"}))
+    out = run(tiny_config(model, tmp_path / "run", {
+        "run.max_steps": 1, "reward.name": "test_brightness=1.0,test_mix_red=0.5",
+        "reward.mix_advantage": "per_reward"}))
     record = read_metrics(out / "metrics.jsonl")[0]
     for key in ("reward/test_brightness_mean", "reward/test_brightness_std",
                 "reward/test_mix_red_mean", "reward/test_mix_red_std", "time/reward_scoring"):
@@ -200,9 +200,9 @@ def test_overlapped_scoring_gives_the_same_iteration(tmp_path):
     model = tiny_model_dir(tmp_path)
     results = []
     for overlap in (True, False):
-        cfg = tiny_config(model, tmp_path / f"run{overlap}", {"sampling.batch_size": 3,
-                                                              "reward.name": "test_brightness=1.0,test_mix_red=0.5",
-                                                              "reward.overlap": overlap})
+        cfg = tiny_config(model, tmp_path / f"run{overlap}", {
+            "sampling.batch_size": 3, "reward.name": "test_brightness=1.0,test_mix_red=0.5",
+            "reward.overlap": overlap})
         tr = build_trainer(cfg, tmp_path / f"run{overlap}", D.DistInfo())
         metrics, finite = train_iteration(tr, 0)
         assert finite
@@ -224,12 +224,10 @@ def test_rollout_hook_sees_each_batch_in_order(tmp_path):
 
 
 def test_g2rpo_per_reward_advantages_sum_over_finishes_and_rewards(tmp_path):
-    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", {"sampling.algorithm": "g2rpo",
-                                                                   "sampling.shared_noise": True,
-                                                                   "sampling.g2rpo_granularities": "1,2",
-                                                                   "reward.mix_advantage": "per_reward",
-                                                                   "reward.name": "test_brightness=1.0,test_mix_red=0.5",
-                                                                   "loss.adv_clip_max": None})
+    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", {
+        "sampling.algorithm": "g2rpo", "sampling.shared_noise": True,
+        "sampling.g2rpo_granularities": "1,2", "reward.mix_advantage": "per_reward",
+        "reward.name": "test_brightness=1.0,test_mix_red=0.5", "loss.adv_clip_max": None})
     tr = build_trainer(cfg, tmp_path / "run", D.DistInfo())
     scored = []
     score = tr.reward_fn.score

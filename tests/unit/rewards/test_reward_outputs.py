@@ -106,8 +106,8 @@ def _error_line(stderr: str) -> str:
 
 def _config(tmp_path, mode, from_call=1, **overrides):
     CallCounting.calls, CallCounting.mode, CallCounting.from_call = 0, mode, from_call
-    return tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", {"reward.name": "test_call_counting",
-                                                                    **overrides})
+    return tiny_config(tiny_model_dir(tmp_path), tmp_path / "run",
+                       {"reward.name": "test_call_counting", **overrides})
 
 
 @pytest.mark.parametrize("mode, outcome", [

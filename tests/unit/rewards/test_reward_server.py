@@ -74,7 +74,7 @@ class Server:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(root)]),
                    OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "chunk_grpo.reward_server", "--reward", spec, "--port", "0",
+            [sys.executable, "-m", "chunk_grpo.reward_server", "--reward.name", spec, "--port", "0",
              "--max-batch", "16", "--batch-wait-ms", "50", *extra],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         line = []
@@ -402,7 +402,7 @@ def test_bad_server_flags_are_one_line_and_a_public_host_is_warned_of(capsys):
     for flags in (["--port", "-1"], ["--port", "0", "--batch-wait-ms", "nan"],
                   ["--port", "0", "--token-file", "/nonexistent/token"]):
         with pytest.raises(SystemExit) as stop:
-            server_main(["--reward", "srv_rewards:bright", *flags])
+            server_main(["--reward.name", "srv_rewards:bright", *flags])
         err = capsys.readouterr().err.strip().splitlines()
         assert stop.value.code == 2 and "error:" in err[-1], flags
     assert [is_loopback(h) for h in ("127.0.0.1", "::1", "localhost", "0.0.0.0", "10.1.2.3")] \

@@ -100,11 +100,11 @@ def test_a_run_checkpoint_with_a_payload_is_refused_and_nothing_runs(finished_ru
     out, marker = tmp_path / "run", tmp_path / "pwned"
     shutil.copytree(finished_run, out)
     _tamper(latest_checkpoint(out), "state.pt", _state_with_payload(marker), manifest)
-    line = _one_line_exit_2(lambda: main(["--resume", str(out), "--max-steps", "2"]), capsys)
+    line = _one_line_exit_2(lambda: main(["--resume", str(out), "--run.max_steps", "2"]), capsys)
     expected = "holds objects other than tensors" if manifest == "rewritten" else "no manifest"
     assert expected in line and not marker.exists()
     if manifest == "deleted":  # trusted: still read as tensors and plain values only
-        line = _one_line_exit_2(lambda: main(["--resume", str(out), "--max-steps", "2",
+        line = _one_line_exit_2(lambda: main(["--resume", str(out), "--run.max_steps", "2",
                                               "--trust-checkpoint"]), capsys)
         assert "plain values (e.g. getattr)" in line and not marker.exists()
 

@@ -20,7 +20,8 @@ def guided_model(tmp_path_factory):
 def test_guidance_field_sets_the_models_guidance(guided_model, tmp_path):
     default = load_policy(tiny_config(guided_model, tmp_path), torch.device("cpu"))
     assert default.guidance_scale == 3.5  # the side file's (FLUX.1-dev's) default
-    policy = load_policy(tiny_config(guided_model, tmp_path, {"model.guidance": 5.0}), torch.device("cpu"))
+    policy = load_policy(tiny_config(guided_model, tmp_path, {"model.guidance": 5.0}),
+                         torch.device("cpu"))
     assert policy.guidance_scale == 5.0
     x = policy.initial_noise(1, torch.Generator().manual_seed(0))
     embeds = policy.encode_prompts(["a red cat"])
