@@ -21,8 +21,6 @@ import io
 import os
 import sys
 import textwrap
-import tokenize
-import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -60,51 +58,6 @@ _COLUMNS = "100"
 
 # ----------------------------------------------------------------------------- config.md
 
-def _field_comments(cls: type) -> dict[str, str]:
-    """{field: its comment}: the comment lines right above a field and the one beside it."""
-    source = inspect.getsource(cls)
-    lines = source.splitlines()
-    comments = {tok.start[0]: tok.string.lstrip("#").strip()
-                for tok in tokenize.generate_tokens(io.StringIO(source).readline)
-                if tok.type == tokenize.COMMENT}
-    out = {}
-    for f in dataclasses.fields(cls):
-        row = next((i for i, line in enumerate(lines, 1)
-                    if line.strip().startswith(f"{f.name}:")), None)
-        if row is None:
-            continue
-        above, i = [], row - 1
-        while i >= 1 and lines[i - 1].strip().startswith("#"):
-            above.insert(0, comments[i])
-            i -= 1
-        beside = [comments[row]] if row in comments and not lines[row - 1].strip().startswith(
-            "#") else []
-        out[f.name] = "; ".join(part for part in [" ".join(above), *beside] if part)
-    return out
-
-
-def _type_name(hint: Any) -> str:
-    args = typing.get_args(hint)
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return " or ".join("null" if a is type(None) else _type_name(a) for a in args)
-    if typing.get_origin(hint) is list:
-        return f"list of {_type_name(args[0])}"
-    return getattr(hint, "__name__", str(hint))
-
-
-def _yaml_value(value: Any) -> str:
-    """A default as it is written in YAML."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return value if value else '""'
-    if isinstance(value, list):
-        return "[" + ", ".join(_yaml_value(v) for v in value) + "]"
-    return repr(value)
-
-
 def _cell(text: str) -> str:
     """Text for a markdown table cell."""
     return text.replace("|", "\\|").replace("\n", " ")
@@ -122,9 +75,9 @@ def resume_classes() -> dict[str, str]:
 def config_reference() -> str:
     """docs/reference/config.md."""
     from chunk_grpo.config import schema as config
-    from chunk_grpo.config.checks import CHOICES
+    from chunk_grpo.config.checks import literal_choices
+    from chunk_grpo.config.describe import field_comments, type_name, yaml_value
 
-    aliases = {path: flat for flat, path in getattr(config, "FLAT_ALIASES", {}).items()}
     on_resume = resume_classes()
     defaults = config.TrainConfig()
     out = [
@@ -146,23 +99,16 @@ def config_reference() -> str:
     ]
     for section, cls in config.SECTIONS.items():
         hints = typing.get_type_hints(cls)
-        notes = _field_comments(cls)
+        notes = field_comments(cls)
         out += [f"## {section}", "", (cls.__doc__ or "").strip(), ""]
-        header = "| key | type | default | on resume | description |"
-        rule = "|---|---|---|---|---|"
-        if aliases:
-            header, rule = header[:-1] + "| flat alias |", rule + "---|"
-        out += [header, rule]
+        out += ["| key | type | default | on resume | description |", "|---|---|---|---|---|"]
         for f in dataclasses.fields(cls):
             path = f"{section}.{f.name}"
-            kind = (" \\| ".join(f"`{c}`" for c in CHOICES[path]) if path in CHOICES
-                    else _type_name(hints[f.name]))
-            row = (f"| `{path}` | {kind} | `{_cell(_yaml_value(defaults.get(path)))}` | "
-                   f"{on_resume.get(path, '')} | {_cell(notes.get(f.name, ''))} |")
-            if aliases:
-                alias = aliases.get(path)
-                row += f" {'`' + alias + '`' if alias else ''} |"
-            out.append(row)
+            choices = literal_choices(hints[f.name])
+            kind = (" \\| ".join(f"`{c}`" for c in choices) if choices
+                    else type_name(hints[f.name]))
+            out.append(f"| `{path}` | {kind} | `{_cell(yaml_value(defaults.get(path)))}` | "
+                       f"{on_resume.get(path, '')} | {_cell(notes.get(f.name, ''))} |")
         out.append("")
     return "\n".join(out).rstrip() + "\n"
 

@@ -339,7 +339,7 @@ def _run(cfg: TrainConfig, info: D.DistInfo, prompt_sets: PromptSets, memory: Ph
     if info.is_main:
         if not resume and (run_dir / "checkpoints").exists():
             raise ConfigError(f"{run_dir} already holds a run; pass --resume {run_dir} to "
-                              "continue it or choose another output_dir")
+                              "continue it or choose another run.output_dir")
         _make_run_dir(run_dir)
         lock.acquire()  # a second run on this directory stops here, before writing anything
     try:
@@ -394,7 +394,7 @@ def _start_or_resume(cfg: TrainConfig, run_dir: Path, info: D.DistInfo, resume: 
     elif info.is_main:
         if (run_dir / "checkpoints").exists():  # another run got here first
             raise ConfigError(f"{run_dir} already holds a run; pass --resume {run_dir} to "
-                              "continue it or choose another output_dir")
+                              "continue it or choose another run.output_dir")
         save_config(cfg, run_dir / "config.yaml")
     D.barrier(info)
     tr = build_trainer(cfg, run_dir, info, prompt_sets=prompt_sets,
@@ -447,7 +447,7 @@ def _make_run_dir(run_dir: Path) -> None:
     except OSError as err:
         raise ConfigError(f"cannot write the output directory {run_dir}: "
                           f"{err.strerror or err} ({err.filename or run_dir}); choose a writable "
-                          f"output_dir") from None
+                          f"run.output_dir") from None
 
 
 def _train_loop(tr: Trainer, start: int, bad_streak: int, on_step_end) -> None:
@@ -568,8 +568,8 @@ def _checkpoint(tr: Trainer, step: int, bad_streak: int) -> None:
         last = latest_checkpoint(tr.run_dir)
         kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written"
         raise TrainingDiverged(
-            f"{err} hold NaN/Inf at step {step}; they are not saved and {kept}. Lower lr or "
-            f"max_grad_norm and resume or restart.") from None
+            f"{err} hold NaN/Inf at step {step}; they are not saved and {kept}. Lower optim.lr "
+            f"or optim.max_grad_norm and resume or restart.") from None
     D.barrier(tr.info)
 
 

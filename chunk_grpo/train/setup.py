@@ -63,7 +63,7 @@ class PromptSets:
     eval: PromptSet
 
     def items(self) -> list[tuple[str, PromptSet]]:
-        return [("train_prompts", self.train), ("eval_prompts", self.eval)]
+        return [("data.train_prompts", self.train), ("data.eval_prompts", self.eval)]
 
 
 # What a run has done since its first step (kept in its checkpoints): optimizer steps taken,
@@ -156,12 +156,12 @@ def read_prompt_sets(cfg: TrainConfig) -> PromptSets:
     """Read and decode both prompt sets: the first thing a run checks, before any model loads,
     so a missing or unreadable file is reported at once."""
     sets = {}
-    for key in ("train_prompts", "eval_prompts"):
+    for key in ("data.train_prompts", "data.eval_prompts"):
         try:
             sets[key] = load_prompt_set(cfg.get(key))
         except ConfigError as err:
             raise ConfigError(f"{key}: {err}") from None
-    return PromptSets(train=sets["train_prompts"], eval=sets["eval_prompts"])
+    return PromptSets(train=sets["data.train_prompts"], eval=sets["data.eval_prompts"])
 
 
 def check_prompt_sets(prompt_sets: PromptSets, policy: FluxPolicy, reward_fn: RewardMix,
@@ -188,13 +188,13 @@ def check_guard(guard: Guard, prompt_sets: PromptSets, policy: FluxPolicy) -> No
     on the rollouts, the training prompts: a guard named in eval.guard_reward that cannot is a
     ConfigError, the `auto` one is then left to the evaluations (one line says so). Then one
     probe call, as for the reward."""
-    checks = [("eval_prompts", prompt_sets.eval), ("train_prompts", prompt_sets.train)]
+    checks = [("data.eval_prompts", prompt_sets.eval), ("data.train_prompts", prompt_sets.train)]
     for key, prompt_set in checks:
         try:
             check_prompts(prompt_set, None, guard.reward)
         except ConfigError as err:
             msg = f"eval.guard_reward {guard.spec!r} cannot score {key}: {err}"
-            if key == "train_prompts" and guard.auto:
+            if key == "data.train_prompts" and guard.auto:
                 guard.on_rollouts = False
                 print(f"[chunk-grpo] {msg}; it is scored at the evaluations only", flush=True)
                 continue

@@ -251,7 +251,7 @@ def summary_text(*, run_dir: Path, reward: str, comparisons: list[Comparison], i
     if chunks is not None:
         lines.extend(chunks.lines())
     if not comparisons:
-        lines.append("held-out  no base model to compare against (eval_hybrid_steps: 0 loads "
+        lines.append("held-out  no base model to compare against (eval.hybrid_steps: 0 loads "
                      "none)")
     lines.append(f"images    {run_dir / 'images'} (rollouts, evaluations, before_after.png)")
     lines.append(f"metrics   {run_dir / 'metrics.jsonl'} (TensorBoard: {run_dir / 'tensorboard'})")
