@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import sys
 import typing
 from collections.abc import Mapping
 from pathlib import Path
@@ -295,6 +296,15 @@ class ConfigArgumentParser(OneLineArgumentParser):
     def parse(self, argv: list[str] | None) -> tuple[dict[str, Any], dict[str, Any]]:
         """({own flag: value}, {dotted key: value as YAML reads it}); a bad flag is a
         ConfigError naming it."""
+        argv, seen = list(sys.argv[1:] if argv is None else argv), set()
+        for i, word in enumerate(argv):
+            name, eq, value = word.partition("=")
+            if word.startswith("--") and "." in name:  # a key: --optim.max-grad-norm too
+                argv[i] = name[:2] + name[2:].replace("-", "_") + eq + value
+                if argv[i].partition("=")[0] in seen:
+                    raise ConfigError(f"{name[2:].replace('-', '_')} is given twice on the "
+                                      "command line; give it once")
+                seen.add(argv[i].partition("=")[0])
         values, unknown = self.parse_known_args(argv)
         if unknown:
             word = next((w for w in unknown if w.startswith("-")), unknown[0])

@@ -398,7 +398,7 @@ def _lora_parameters(model: str, rank: int, targets: tuple[str, ...]) -> int:
     try:
         return lora_parameter_count(transformer, rank, list(targets))
     except ValueError as err:
-        raise ConfigError(f"lora_targets: {err}") from None
+        raise ConfigError(f"model.lora_targets: {err}") from None
 
 
 @functools.lru_cache(maxsize=8)
@@ -542,7 +542,7 @@ def _phases(s: PlanSettings, sizes: ModelSizes) -> tuple[list[PlanRow], list[Pha
     optimizer = part(f"optimizer state ({s.optimizer})", opt_bytes * trainable / shard,
                      f"{opt_bytes:.2f} B/param, {split}, from the first step", home)
     ema = part("EMA of the trainable weights", 4 * trainable / shard if s.ema else 0,
-               f"fp32, {split}" if s.ema else "ema_decay: 0")
+               f"fp32, {split}" if s.ema else "optim.ema_decay: 0")
     quantized = quantized_layers(s.model) if s.base_quantization != "none" else None
     if quantized is not None:
         frozen = part(f"frozen weights ({s.base_quantization} base)",
@@ -559,7 +559,7 @@ def _phases(s: PlanSettings, sizes: ModelSizes) -> tuple[list[PlanRow], list[Pha
                    f"the largest quantized layer in {s.compute_dtype}, one at a time"
                    if quantized else "no quantized base")
     if not s.hybrid_base or lora:
-        base = part("hybrid-evaluation base", 0, "eval_hybrid_steps: 0" if not s.hybrid_base
+        base = part("hybrid-evaluation base", 0, "eval.hybrid_steps: 0" if not s.hybrid_base
                     else "the same weights with the adapters disabled")
     else:
         base = part(f"hybrid-evaluation base ({s.weights_dtype})",
@@ -567,7 +567,8 @@ def _phases(s: PlanSettings, sizes: ModelSizes) -> tuple[list[PlanRow], list[Pha
     text_all = wbytes * sizes.text_encoders
     text_note = f"T5 + CLIP, {sizes.text_encoders / 1e9:.2f}B in {s.weights_dtype}"
     if s.text_encoders == "cache":
-        text = part("text encoders", 0, "text_encoders: cache (on the GPU only while caching)")
+        text = part("text encoders", 0,
+                    "model.text_encoders: cache (on the GPU only while caching)")
     else:
         text = part("text encoders", text_all, text_note,
                     "CPU" if s.text_encoders == "cpu" else device)
@@ -688,8 +689,8 @@ def _phases(s: PlanSettings, sizes: ModelSizes) -> tuple[list[PlanRow], list[Pha
                                           *loaded[4:], ("encoder activations", encoding)],
                          note="text encoders on the GPU while encoding, then freed"))
     else:
-        out.append(phase("prompt_cache", [], note=f"text_encoders: {s.text_encoders}: nothing "
-                                                   f"cached"))
+        out.append(phase("prompt_cache", [],
+                         note=f"model.text_encoders: {s.text_encoders}: nothing cached"))
     if s.profile_rows:
         profile_buffers = s.profile_rows * (s.num_steps + 1) * tokens * channels * 4
         out.append(phase("profile", [*loaded, ("FSDP unsharded blocks", unsharded),
@@ -719,7 +720,8 @@ def _phases(s: PlanSettings, sizes: ModelSizes) -> tuple[list[PlanRow], list[Pha
                                ("FSDP forward all-gather buffers", forward_extra),
                                ("dequantized weight", dequant),
                                ("activations (training call)", train_acts)],
-                     note=f"micro-batch {s.micro_batch_size}, reduce_dtype {s.reduce_dtype}"))
+                     note=f"micro-batch {s.micro_batch_size}, "
+                          f"parallel.reduce_dtype {s.reduce_dtype}"))
     eval_batch = min(s.rollout_batch_size, max(1, s.eval_rows))
     out.append(phase("eval", [*held, ("FSDP unsharded blocks", unsharded),
                               ("dequantized weight", dequant),
@@ -803,7 +805,7 @@ def _assumptions(s: PlanSettings, sizes: ModelSizes) -> list[str]:
     if cuda:
         out.append(f"CUDA context/workspace allowance {CUDA_CONTEXT_BYTES / GB:.0f} GB")
     if s.parallelism == "fsdp" and s.cpu_offload:
-        out.append("cpu_offload: weights, gradients and optimizer state on the CPU")
+        out.append("parallel.cpu_offload: weights, gradients and optimizer state on the CPU")
     if s.base_quantization != "none":
         out.append(f"{s.base_quantization} base: the blocks' linear layers quantized by "
                    f"bitsandbytes (chunk_grpo.plan.quantized), loaded in {s.weights_dtype} on "
@@ -837,29 +839,32 @@ def _levers(s: PlanSettings) -> list[tuple[str, PlanSettings]]:
     """The changes that cut memory, each as (its config line, the changed settings)."""
     out = []
     if s.parallelism != "fsdp" and s.world_size > 1:
-        out.append(("parallelism: fsdp", dataclasses.replace(s, parallelism="fsdp")))
+        out.append(("parallel.mode: fsdp", dataclasses.replace(s, parallelism="fsdp")))
     if s.lora_rank == 0:
-        out.append((f"lora_rank: {LORA_LEVER_RANK}", dataclasses.replace(
+        out.append((f"model.lora_rank: {LORA_LEVER_RANK}", dataclasses.replace(
             s, lora_rank=LORA_LEVER_RANK,
             lora_targets=s.lora_targets or ("to_q", "to_k", "to_v", "to_out.0"))))
     if s.lora_rank > 0 and s.base_quantization == "none" and s.parallelism != "fsdp":
-        out.append(("base_quantization: nf4", dataclasses.replace(s, base_quantization="nf4")))
+        out.append(("model.base_quantization: nf4",
+                    dataclasses.replace(s, base_quantization="nf4")))
     if s.optimizer == "adamw":
-        out.append(("optimizer: adamw8bit", dataclasses.replace(s, optimizer="adamw8bit")))
+        out.append(("optim.name: adamw8bit", dataclasses.replace(s, optimizer="adamw8bit")))
     if not s.gradient_checkpointing:
-        out.append(("gradient_checkpointing: true",
+        out.append(("model.gradient_checkpointing: true",
                     dataclasses.replace(s, gradient_checkpointing=True)))
     if s.micro_batch_size > 1:
         half = s.micro_batch_size // 2
-        out.append((f"micro_batch_size: {half}", dataclasses.replace(s, micro_batch_size=half)))
+        out.append((f"optim.micro_batch_size: {half}",
+                    dataclasses.replace(s, micro_batch_size=half)))
     if s.text_encoders == "keep":
-        out.append(("text_encoders: cache", dataclasses.replace(s, text_encoders="cache")))
+        out.append(("model.text_encoders: cache",
+                    dataclasses.replace(s, text_encoders="cache")))
     if s.weights_dtype == "fp32" and s.device == "cuda":
-        out.append(("weights_dtype: bf16", dataclasses.replace(s, weights_dtype="bf16")))
+        out.append(("model.weights_dtype: bf16", dataclasses.replace(s, weights_dtype="bf16")))
     if s.parallelism == "fsdp" and s.reduce_dtype == "fp32" and s.compute_dtype == "bf16":
-        out.append(("reduce_dtype: bf16", dataclasses.replace(s, reduce_dtype="bf16")))
+        out.append(("parallel.reduce_dtype: bf16", dataclasses.replace(s, reduce_dtype="bf16")))
     if s.parallelism == "fsdp" and not s.cpu_offload:
-        out.append(("cpu_offload: true", dataclasses.replace(s, cpu_offload=True)))
+        out.append(("parallel.cpu_offload: true", dataclasses.replace(s, cpu_offload=True)))
     return out
 
 
@@ -880,8 +885,8 @@ def does_not_fit_message(plan: Plan) -> str:
         "none left: use more or larger GPUs"
     return (f"memory plan: the {plan.peak_phase} phase peaks at {plan.peak_bytes / GB:.1f} GB "
             f"per GPU, over the {plan.gpu_bytes / GB:.1f} GB budget ({s.world_size} x "
-            f"{s.device}, parallelism {s.parallelism}, lora_rank {s.lora_rank}); levers by "
-            f"effect: {cuts}. Run python -m chunk_grpo.plan for the table of phases")
+            f"{s.device}, parallel.mode {s.parallelism}, model.lora_rank {s.lora_rank}); levers "
+            f"by effect: {cuts}. Run python -m chunk_grpo.plan for the table of phases")
 
 
 def plan_for_config(cfg: TrainConfig, world_size: int, gpu_bytes: float, *,
@@ -940,7 +945,7 @@ def format_plan(plan: Plan, parts: bool = True) -> str:
                      f"{p.note}{mark}")
     lines.append("-" * 80)
     if s.parallelism == "fsdp":
-        lines.append("train by reduce_dtype: " + ", ".join(
+        lines.append("train by parallel.reduce_dtype: " + ", ".join(
             f"{dtype} {nbytes / GB:.2f} GB/GPU" for dtype, nbytes in
             plan.train_by_reduce_dtype.items()) + f" (this config: {s.reduce_dtype})")
     lines.append("")

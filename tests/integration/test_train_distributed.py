@@ -26,10 +26,10 @@ pytestmark = pytest.mark.slow  # each torchrun job starts 2 Python processes
 WEIGHT_ATOL = 1e-5
 
 
-def _config(model: Path, out: Path, **overrides):
+def _config(model: Path, out: Path, overrides: dict):
     settings = {"reward.name": "jpeg_compressibility", "run.max_steps": 2,
                 "run.checkpoint_every": 1, "optim.lr": 1e-2, "optim.eps": 1e-3}
-    return tiny_config(model, out, **{**settings, **overrides})
+    return tiny_config(model, out, {**settings, **overrides})
 
 
 def _train(ranks: int, *flags: str) -> str:
@@ -75,7 +75,8 @@ def _assert_same_run(ours: Path, reference: Path) -> None:
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
     model = tiny_model_dir(root)
-    save_config(_config(model, root / "one", prompts_per_step=4), root / "one.yaml")
+    save_config(_config(model, root / "one", overrides={"sampling.prompts_per_step": 4}),
+                root / "one.yaml")
     _train(1, "--config", str(root / "one.yaml"))  # 16 rows, 1 process
     return root, model, root / "one"
 
@@ -84,7 +85,8 @@ def setup(tmp_path_factory):
 def test_two_ranks_train_what_one_process_trains(setup, mode):
     root, model, reference = setup
     config_file = root / f"{mode}.yaml"
-    save_config(_config(model, root / mode, prompts_per_step=2, parallelism=mode), config_file)
+    save_config(_config(model, root / mode, overrides={"sampling.prompts_per_step": 2,
+                                                       "parallel.mode": mode}), config_file)
     _train(2, "--config", str(config_file))
     _assert_same_run(root / mode, reference)
     if mode == "fsdp":  # its checkpoints are sharded: one directory of DCP shards per step
@@ -95,8 +97,9 @@ def test_two_ranks_train_what_one_process_trains(setup, mode):
 def test_a_two_rank_checkpoint_resumes_on_one_process_and_on_two(setup):
     root, model, reference = setup
     config_file = root / "stop.yaml"
-    save_config(_config(model, root / "stop", prompts_per_step=2, parallelism="fsdp",
-                        max_steps=1), config_file)
+    save_config(_config(model, root / "stop", overrides={"sampling.prompts_per_step": 2,
+                                                         "parallel.mode": "fsdp",
+                                                         "run.max_steps": 1}), config_file)
     _train(2, "--config", str(config_file))
     for where in ("one", "two"):
         resumed = root / f"resumed-{where}"
@@ -117,8 +120,11 @@ def test_reference_kl_under_fsdp_full_fine_tuning(setup):
     has moved away from it."""
     root, model, _ = setup
     config_file = root / "kl.yaml"
-    save_config(_config(model, root / "kl", prompts_per_step=2, parallelism="fsdp",
-                        kl_ref="reference", kl_coef=1.0, checkpoint_every=0), config_file)
+    save_config(_config(model, root / "kl", overrides={"sampling.prompts_per_step": 2,
+                                                       "parallel.mode": "fsdp",
+                                                       "loss.kl_ref": "reference",
+                                                       "loss.kl_coef": 1.0,
+                                                       "run.checkpoint_every": 0}), config_file)
     _train(2, "--config", str(config_file))
     records = _metrics(root / "kl")
     assert [r["ref_kl"] for r in records][:1] == [0.0] and records[1]["ref_kl"] > 0

@@ -14,21 +14,21 @@ from chunk_grpo.train.loop import run
 from chunk_grpo.train.metrics import read_metrics
 
 
-def _straight_and_resumed(tmp_path, **settings) -> None:
+def _straight_and_resumed(tmp_path, overrides: dict) -> None:
     """An uninterrupted 4-step run and one killed after step 3 (checkpoint at 2) then resumed
     give the same metrics (without times), weights, EMA and schedule, bit for bit."""
     model = tiny_model_dir(tmp_path)
-    straight = run(tiny_config(model, tmp_path / "a", **settings))
+    straight = run(tiny_config(model, tmp_path / "a", overrides))
 
     def kill_at_3(step, metrics):
         if step == 3:
             raise Killed  # after step 3 was logged, before its checkpoint
 
     with pytest.raises(Killed):
-        run(tiny_config(model, tmp_path / "b", **settings), on_step_end=kill_at_3)
+        run(tiny_config(model, tmp_path / "b", overrides), on_step_end=kill_at_3)
     assert latest_checkpoint(tmp_path / "b").name == "step-00000002"
     assert len(read_metrics(tmp_path / "b" / "metrics.jsonl")) == 3
-    resumed = run(tiny_config(model, tmp_path / "b", **settings), run_dir=tmp_path / "b",
+    resumed = run(tiny_config(model, tmp_path / "b", overrides), run_dir=tmp_path / "b",
                   resume=True)
 
     a = without_times(read_metrics(straight / "metrics.jsonl"))
@@ -46,12 +46,13 @@ def _straight_and_resumed(tmp_path, **settings) -> None:
 
 # Several optimizer steps per iteration, warm-up + cosine LR, EMA, a random half of the chunks:
 # every piece of state a resume must restore.
-RESUMED = dict(max_steps=4, checkpoint_every=2, eval_every=2, grad_accum=2, chunk_fraction=0.5,
-               warmup_steps=2, lr_schedule="cosine", ema_decay=0.5, lr=3e-3)
+RESUMED = {"run.max_steps": 4, "run.checkpoint_every": 2, "eval.every": 2, "optim.grad_accum": 2,
+           "chunks.fraction": 0.5, "optim.warmup_steps": 2, "optim.schedule": "cosine",
+           "optim.ema_decay": 0.5, "optim.lr": 3e-3}
 
 
 def test_resume_matches_an_uninterrupted_run(tmp_path):
-    _straight_and_resumed(tmp_path, chunks="1,1,2", **RESUMED)
+    _straight_and_resumed(tmp_path, overrides={"chunks.spec": "1,1,2", **RESUMED})
 
 
 def test_bf16_resume_matches_an_uninterrupted_run(tmp_path):
@@ -60,8 +61,11 @@ def test_bf16_resume_matches_an_uninterrupted_run(tmp_path):
     layout from its checkpoint, so the first transformer call under autocast differs. What
     either run caches at its first call (the unconditional prompt's embedding) must not depend
     on which call that was (true CFG: every call also runs the unconditional prompt)."""
-    _straight_and_resumed(tmp_path, chunks="auto", mixed_precision="bf16", lora_rank=4,
-                          cfg_scale=3.0, **RESUMED)
+    _straight_and_resumed(tmp_path, overrides={"chunks.spec": "auto",
+                                               "model.mixed_precision": "bf16",
+                                               "model.lora_rank": 4,
+                                               "sampling.cfg_scale": 3.0,
+                                               **RESUMED})
 
 
 def test_checkpoints_are_atomic_and_pruned(tmp_path):
@@ -112,7 +116,7 @@ def test_resuming_a_finished_run_changes_nothing_unless_max_steps_is_raised(tmp_
     from chunk_grpo.cli.runner import run_command
     from chunk_grpo.cli.train import main
 
-    out = run(tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", **FINISHING))
+    out = run(tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", FINISHING))
     summary = (out / "summary.txt").read_text()
     assert "updates   2 optimizer steps, 0 skipped" in summary  # one per iteration
     assert set(json.loads((out / "summary.json").read_text())) == {
@@ -156,7 +160,7 @@ def test_a_kill_while_finishing_keeps_the_comparison(tmp_path, monkeypatch, kill
     def killed(*args, **kwargs):
         raise Killed
 
-    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", **FINISHING)
+    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", FINISHING)
     monkeypatch.setattr(trainer_eval, killed_in, killed)
     with pytest.raises(Killed):
         run(cfg)

@@ -30,7 +30,7 @@ def _logprobs(model, rollout) -> torch.Tensor:
                               eta=0.7, cfg_scale=1.0)
 
 
-def _trainer(tmp_path, **overrides):
+def _trainer(tmp_path, overrides: dict):
     model = tiny_model_dir(tmp_path)
     cfg = tiny_config(model, tmp_path / "run", {"loss.kl_ref": "reference", "loss.kl_coef": 0.1,
                                                 "optim.lr": 3e-3,
@@ -44,7 +44,7 @@ def _rollout(tr):
 
 
 def test_lora_reference_is_the_adapter_disabled_model(tmp_path):
-    _, tr = _trainer(tmp_path, lora_rank=4)
+    _, tr = _trainer(tmp_path, overrides={"model.lora_rank": 4})
     assert isinstance(tr.reference, AdaptersDisabled) and tr.base_policy is None
     with torch.no_grad():  # adapters that move the velocity, as after training
         for name, p in tr.policy.transformer.named_parameters():
@@ -62,7 +62,7 @@ def test_lora_reference_is_the_adapter_disabled_model(tmp_path):
 
 
 def test_full_fine_tuning_reference_is_the_untouched_base(tmp_path):
-    model, tr = _trainer(tmp_path, lora_rank=0)
+    model, tr = _trainer(tmp_path, overrides={"model.lora_rank": 0})
     assert isinstance(tr.reference, FrozenTransformerBase) and tr.base_policy is None
     base = FluxPolicy.from_pretrained(model)  # never trained
     rollout = _rollout(tr)
@@ -77,7 +77,7 @@ def test_full_fine_tuning_reference_is_the_untouched_base(tmp_path):
 
 
 def test_reference_kl_without_a_reference_names_the_fix(tmp_path):
-    _, tr = _trainer(tmp_path, lora_rank=0)
+    _, tr = _trainer(tmp_path, overrides={"model.lora_rank": 0})
     rollout = _rollout(tr)
     settings = LossSettings(kind="flow", eta=0.7, cfg_scale=1.0, clip_low=0.2, clip_high=0.2,
                             kl_coef=0.1, kl_ref="reference")

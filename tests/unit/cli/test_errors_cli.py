@@ -170,7 +170,7 @@ def test_a_model_without_sampling_settings_needs_a_size(tmp_path, capsys, model,
     out = tmp_path / "run"
     code, err = _one_line_exit(capsys, ["--model.name", str(bare), "--reward.name",
                                         "test_brightness", "--run.output_dir", str(out)])
-    assert code == 2 and f"no {CONFIG_NAME}" in err and "--height H --width W" in err
+    assert code == 2 and f"no {CONFIG_NAME}" in err and "--model.height H --model.width W" in err
     assert not out.exists()
 
 

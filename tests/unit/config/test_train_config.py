@@ -304,6 +304,9 @@ def test_dotted_flags_in_both_forms():
     assert cfg.get("optim.lr") == 1e-4
     with pytest.raises(ConfigError, match=r"unknown config key 'lr'.*did you mean 'optim.lr'"):
         parse_args(["--lr", "1"])
+    assert parse_args(["--optim.max-grad-norm", "0.5"])[1] == {"optim.max_grad_norm": 0.5}
+    with pytest.raises(ConfigError, match="^optim.lr is given twice on the command line"):
+        parse_args(["--optim.lr", "1", "--optim.lr=2"])
 
 
 def test_a_nested_yaml_takes_sections_and_dotted_keys(tmp_path):

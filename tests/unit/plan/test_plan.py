@@ -65,8 +65,8 @@ def _row(plan, part_start: str):
     return next(r for r in plan.rows if r.part.startswith(part_start))
 
 
-def _embedded_cfg(**overrides):
-    return build_config(None, {"run.device": "cuda", **overrides})
+def _embedded_cfg(overrides: dict | None = None):
+    return build_config(None, {"run.device": "cuda", **(overrides or {})})
 
 
 # ----------------------------------------------------------------------------- sizes on meta
@@ -139,20 +139,23 @@ def test_checkpointing_saves_less_and_the_saved_bytes_scale_with_rows():
 # ----------------------------------------------------------------------------- arithmetic
 
 def test_fsdp_divides_weights_gradients_and_optimizer_by_the_world_size():
-    cfg = _embedded_cfg(parallelism="fsdp", lora_rank=0)
+    cfg = _embedded_cfg(overrides={"parallel.mode": "fsdp", "model.lora_rank": 0})
     one, eight = (plan_for_config(cfg, n, 80 * GB) for n in (1, 8))
     for part in ("trainable weights", "optimizer state", "gradients", "hybrid-evaluation base"):
         assert _row(eight, part).gpu_bytes == pytest.approx(_row(one, part).gpu_bytes / 8)
         assert _row(one, part).gpu_bytes > 0
     assert _row(eight, "VAE").gpu_bytes == _row(one, "VAE").gpu_bytes  # not sharded
-    ddp = plan_for_config(_embedded_cfg(parallelism="ddp", lora_rank=0), 8, 80 * GB)
+    ddp = plan_for_config(_embedded_cfg(overrides={"parallel.mode": "ddp", "model.lora_rank": 0}),
+                          8, 80 * GB)
     assert _row(ddp, "trainable weights").gpu_bytes == _row(one, "trainable weights").gpu_bytes
     assert _row(ddp, "DDP gradient buckets").gpu_bytes == _row(ddp, "gradients").gpu_bytes
 
 
 def test_lora_trains_adapters_over_a_frozen_base_and_needs_no_base_copy():
-    full = plan_for_config(_embedded_cfg(lora_rank=0, weights_dtype="bf16"), 1, 80 * GB)
-    lora = plan_for_config(_embedded_cfg(lora_rank=8, weights_dtype="bf16"), 1, 80 * GB)
+    full = plan_for_config(_embedded_cfg(overrides={"model.lora_rank": 0,
+                                                    "model.weights_dtype": "bf16"}), 1, 80 * GB)
+    lora = plan_for_config(_embedded_cfg(overrides={"model.lora_rank": 8,
+                                                    "model.weights_dtype": "bf16"}), 1, 80 * GB)
     params = count_parameters(build_transformer(resolve_model_configs("embedded").transformer))
     adapters = lora_parameter_count(build_transformer(
         resolve_model_configs("embedded").transformer), 8, list(lora.settings.lora_targets))
@@ -163,17 +166,20 @@ def test_lora_trains_adapters_over_a_frozen_base_and_needs_no_base_copy():
     assert _row(lora, "trainable weights").gpu_bytes == 4 * adapters
     assert _row(lora, "frozen weights").gpu_bytes == 2 * params
     assert _row(lora, "hybrid-evaluation base").gpu_bytes == 0
-    eight_bit = plan_for_config(_embedded_cfg(lora_rank=0, optimizer="adamw8bit"), 1, 80 * GB)
+    eight_bit = plan_for_config(_embedded_cfg(overrides={"model.lora_rank": 0,
+                                                         "optim.name": "adamw8bit"}), 1, 80 * GB)
     assert _row(eight_bit, "optimizer state").gpu_bytes == pytest.approx(2.03125 * params)
 
 
 def test_text_encoder_placement_and_cpu_offload():
-    keep = plan_for_config(_embedded_cfg(text_encoders="keep"), 1, 80 * GB)
+    keep = plan_for_config(_embedded_cfg(overrides={"model.text_encoders": "keep"}), 1, 80 * GB)
     assert _row(keep, "text encoders").gpu_bytes > 0
     for mode in ("cache", "cpu"):
-        plan = plan_for_config(_embedded_cfg(text_encoders=mode), 1, 80 * GB)
+        plan = plan_for_config(_embedded_cfg(overrides={"model.text_encoders": mode}), 1, 80 * GB)
         assert _row(plan, "text encoders").gpu_bytes == 0
-    offload = plan_for_config(_embedded_cfg(parallelism="fsdp", cpu_offload=True, lora_rank=0),
+    offload = plan_for_config(_embedded_cfg(overrides={"parallel.mode": "fsdp",
+                                                       "parallel.cpu_offload": True,
+                                                       "model.lora_rank": 0}),
                               2, 80 * GB)
     for part in ("trainable weights", "optimizer state", "gradients"):
         assert _row(offload, part).gpu_bytes == 0 and _row(offload, part).where == "CPU"
@@ -190,12 +196,12 @@ def test_flux_preset_fits_eight_80gb_gpus(capsys):
 
 
 def test_a_config_that_cannot_fit_names_the_levers_by_effect():
-    cfg = _embedded_cfg(lora_rank=0, micro_batch_size=8)
+    cfg = _embedded_cfg(overrides={"model.lora_rank": 0, "optim.micro_batch_size": 8})
     with pytest.raises(PlanDoesNotFit) as err:
         check_plan(cfg, 2, 0.01 * GB)
     message = str(err.value)
     assert "\n" not in message and "over the 0.0 GB budget" in message
-    for lever in ("parallelism: fsdp", "optimizer: adamw8bit", "gradient_checkpointing: true",
+    for lever in ("parallel.mode: fsdp", "optim.name: adamw8bit", "gradient_checkpointing: true",
                   "micro_batch_size: 4", "text_encoders: cache", "lora_rank: 64"):
         assert lever in message
     savings = [float(part.split("(-")[1].split(" GB")[0])
@@ -263,7 +269,8 @@ def _flux_blocks():
 
 
 def test_every_phase_in_order_and_the_peak_is_the_largest():
-    plan = plan_for_config(_embedded_cfg(parallelism="fsdp", lora_rank=0, eval_hybrid_steps=2),
+    plan = plan_for_config(_embedded_cfg(overrides={"parallel.mode": "fsdp", "model.lora_rank": 0,
+                                                    "eval.hybrid_steps": 2}),
                            4, 80 * GB)
     assert [p.name for p in plan.phases] == list(PHASES)
     largest = max(plan.phases, key=lambda p: p.gpu_bytes)
@@ -281,7 +288,9 @@ def test_fsdp_accumulation_keeps_only_gradient_shards_and_one_block_in_flight():
     full gradient and its buckets."""
     meta, blocks = _flux_blocks()
     params = count_parameters(meta)
-    cfg = _embedded_cfg(parallelism="fsdp", lora_rank=0, grad_accum=12, micro_batch_size=1)
+    cfg = _embedded_cfg(overrides={"parallel.mode": "fsdp", "model.lora_rank": 0,
+                                   "optim.grad_accum": 12,
+                                   "optim.micro_batch_size": 1})
     train = plan_for_config(cfg, 8, 80 * GB).phase("train")
     assert _part(train, "gradients") == pytest.approx(4 * params / 8)
     assert _part(train, "gradient in flight / buckets") == pytest.approx((2 + 4) * max(blocks))
@@ -296,14 +305,16 @@ def test_fsdp_accumulation_keeps_only_gradient_shards_and_one_block_in_flight():
     forward = root + max(p + 2 * b for p, b in zip(previous, blocks, strict=True))
     rollout = plan_for_config(cfg, 8, 80 * GB).phase("rollout")
     assert _part(rollout, "FSDP unsharded blocks") == pytest.approx(2 * forward)
-    ddp = plan_for_config(_embedded_cfg(parallelism="ddp", lora_rank=0, grad_accum=12), 8,
+    ddp = plan_for_config(_embedded_cfg(overrides={"parallel.mode": "ddp", "model.lora_rank": 0,
+                                                   "optim.grad_accum": 12}), 8,
                           80 * GB).phase("train")
     assert _part(ddp, "gradients") == _part(ddp, "gradient in flight / buckets") == 4 * params
 
 
 def test_reduce_dtype_changes_only_the_gradient_in_flight():
     _, blocks = _flux_blocks()
-    settings = settings_from_config(_embedded_cfg(parallelism="fsdp", lora_rank=0), 8)
+    settings = settings_from_config(_embedded_cfg(overrides={"parallel.mode": "fsdp",
+                                                             "model.lora_rank": 0}), 8)
     fp32 = build_plan(settings, 80 * GB)
     bf16 = build_plan(dataclasses.replace(settings, reduce_dtype="bf16"), 80 * GB)
     assert fp32.train_by_reduce_dtype == bf16.train_by_reduce_dtype
@@ -311,7 +322,7 @@ def test_reduce_dtype_changes_only_the_gradient_in_flight():
     assert saved == pytest.approx(2 * max(blocks))  # fp32 -> bf16 copy of the largest block
     assert fp32.phase("train").gpu_bytes - bf16.phase("train").gpu_bytes == pytest.approx(saved)
     assert fp32.phase("rollout").gpu_bytes == bf16.phase("rollout").gpu_bytes
-    assert "train by reduce_dtype: fp32" in format_plan(fp32)
+    assert "train by parallel.reduce_dtype: fp32" in format_plan(fp32)
 
 
 def test_host_memory_per_node():
@@ -319,7 +330,8 @@ def test_host_memory_per_node():
     export: rank 0 holds the gathered fp32 transformer (and the reloaded text encoders)."""
     meta, _ = _flux_blocks()
     params, tensor = count_parameters(meta), largest_tensor(meta)
-    cfg = _embedded_cfg(parallelism="fsdp", lora_rank=0, text_encoders="cache")
+    cfg = _embedded_cfg(overrides={"parallel.mode": "fsdp", "model.lora_rank": 0,
+                                   "model.text_encoders": "cache"})
     eight = plan_for_config(cfg, 16, 80 * GB)  # two nodes of 8
     four = plan_for_config(cfg, 16, 80 * GB, gpus_per_node=4)
     files = model_sizes("embedded").files
@@ -342,7 +354,8 @@ def test_host_memory_per_node():
 
 
 def test_check_plan_names_the_phase_over_the_budget():
-    cfg = _embedded_cfg(parallelism="fsdp", lora_rank=0, text_encoders="cache")
+    cfg = _embedded_cfg(overrides={"parallel.mode": "fsdp", "model.lora_rank": 0,
+                                   "model.text_encoders": "cache"})
     plan = plan_for_config(cfg, 2, 80 * GB, device="cuda")
     ordered = sorted(plan.phases, key=lambda p: p.gpu_bytes)
     top, second = ordered[-1], ordered[-2]
@@ -424,7 +437,8 @@ def test_a_single_file_checkpoint_copies_what_the_plan_counts(ema_decay):
     trained = sum(p.numel() for _, p in named)
     assert sum(copies.values()) == 4 * trained * (2 if ema_decay else 1)
 
-    cfg = _embedded_cfg(lora_rank=8, ema_decay=ema_decay, parallelism="none")
+    cfg = _embedded_cfg(overrides={"model.lora_rank": 8, "optim.ema_decay": ema_decay,
+                                   "parallel.mode": "none"})
     rank = plan_for_config(cfg, 1, 80 * GB)
     adapters = _row(rank, "trainable weights").gpu_bytes
     largest = largest_lora_tensor(build_transformer(resolve_model_configs("embedded").transformer),
@@ -435,7 +449,8 @@ def test_a_single_file_checkpoint_copies_what_the_plan_counts(ema_decay):
         assert _part(checkpoint, "EMA cloned") == (adapters if ema_decay else 0)
         assert _part(checkpoint, "NaN/Inf check mask") == largest
         assert checkpoint.host_rank_bytes == (4 * largest if device == "cuda" else 0)
-    full = plan_for_config(_embedded_cfg(lora_rank=0, parallelism="none"), 1, 80 * GB)
+    full = plan_for_config(_embedded_cfg({"model.lora_rank": 0, "parallel.mode": "none"}), 1,
+                           80 * GB)
     meta = build_transformer(resolve_model_configs("embedded").transformer)
     assert full.phase("checkpoint").host_rank_bytes == 4 * largest_tensor(meta)
 
@@ -443,7 +458,7 @@ def test_a_single_file_checkpoint_copies_what_the_plan_counts(ema_decay):
 def test_a_cpu_run_holds_its_runtime_from_the_first_iteration_on():
     """The process's growth above its post-import memory (kernel code, lazy imports, small
     objects) counts on a CPU run in the phases from the rollout on; never on a GPU."""
-    cfg = _embedded_cfg(parallelism="none")
+    cfg = _embedded_cfg(overrides={"parallel.mode": "none"})
     cpu = plan_for_config(cfg, 1, 80 * GB, device="cpu")
     for phase in cpu.phases:
         before = phase.name in ("load", "prompt_cache", "profile")

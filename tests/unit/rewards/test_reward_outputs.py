@@ -104,10 +104,10 @@ def _error_line(stderr: str) -> str:
     return line
 
 
-def _config(tmp_path, mode, from_call=1, **overrides):
+def _config(tmp_path, mode, from_call=1, overrides: dict | None = None):
     CallCounting.calls, CallCounting.mode, CallCounting.from_call = 0, mode, from_call
     return tiny_config(tiny_model_dir(tmp_path), tmp_path / "run",
-                       {"reward.name": "test_call_counting", **overrides})
+                       {"reward.name": "test_call_counting", **(overrides or {})})
 
 
 @pytest.mark.parametrize("mode, outcome", [
@@ -116,7 +116,8 @@ def _config(tmp_path, mode, from_call=1, **overrides):
     ("strings", "stops before the run"), ("raise", "stops before the run"),
 ])
 def test_bad_outputs_in_a_run(tmp_path, capsys, mode, outcome):
-    cfg = _config(tmp_path, mode, max_steps=2, checkpoint_every=1, max_bad_steps=5)
+    cfg = _config(tmp_path, mode, overrides={"run.max_steps": 2, "run.checkpoint_every": 1,
+                                             "run.max_bad_steps": 5})
     capsys.readouterr()
     if outcome == "stops before the run":
         with pytest.raises(SystemExit) as stop:
@@ -142,8 +143,9 @@ def test_bad_outputs_in_a_run(tmp_path, capsys, mode, outcome):
 def test_a_run_whose_rewards_are_all_nan_trains_nothing_and_fails_in_one_line(tmp_path, capsys):
     """Finite on the start-up probe, NaN on every rollout: every iteration is skipped, and a run
     with no optimizer step is exit 2 with the cause (no summary, no final model)."""
-    cfg = _config(tmp_path, "nan", from_call=2, max_steps=2, checkpoint_every=1,
-                  max_bad_steps=5)
+    cfg = _config(tmp_path, "nan", from_call=2, overrides={"run.max_steps": 2,
+                                                           "run.checkpoint_every": 1,
+                                                           "run.max_bad_steps": 5})
     capsys.readouterr()
     with pytest.raises(SystemExit) as stop:
         run_command(lambda: run(cfg), "prog", errors=(NothingTrained,))
@@ -161,7 +163,8 @@ def test_a_run_whose_rewards_are_all_nan_trains_nothing_and_fails_in_one_line(tm
 
 def test_a_reward_failing_mid_run_stops_in_one_line_naming_the_intact_checkpoint(tmp_path,
                                                                                    capsys):
-    cfg = _config(tmp_path, "raise", from_call=3, max_steps=3, checkpoint_every=1)
+    cfg = _config(tmp_path, "raise", from_call=3, overrides={"run.max_steps": 3,
+                                                             "run.checkpoint_every": 1})
     capsys.readouterr()
     with pytest.raises(SystemExit) as stop:
         run_command(lambda: run(cfg), "prog", errors=(RewardOutputError,))
@@ -174,11 +177,14 @@ def test_a_reward_failing_mid_run_stops_in_one_line_naming_the_intact_checkpoint
 
 
 def test_diverged_run_names_a_checkpoint_that_exists_or_none(tmp_path):
-    cfg = _config(tmp_path, "nan", from_call=2, max_steps=4, checkpoint_every=1, max_bad_steps=1)
+    cfg = _config(tmp_path, "nan", from_call=2, overrides={"run.max_steps": 4,
+                                                           "run.checkpoint_every": 1,
+                                                           "run.max_bad_steps": 1})
     with pytest.raises(TrainingDiverged, match="no checkpoint was written yet"):
         run(cfg)
-    cfg = _config(tmp_path, "nan", from_call=3, max_steps=4, checkpoint_every=1, max_bad_steps=1,
-                  output_dir=str(tmp_path / "run2"))
+    cfg = _config(tmp_path, "nan", from_call=3, overrides={
+        "run.max_steps": 4, "run.checkpoint_every": 1, "run.max_bad_steps": 1,
+        "run.output_dir": str(tmp_path / "run2")})
     with pytest.raises(TrainingDiverged) as err:
         run(cfg)
     named = str(err.value).split("its last checkpoint ")[1].split(" is intact")[0]

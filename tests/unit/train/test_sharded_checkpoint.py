@@ -227,7 +227,7 @@ def test_resume_plan_keeps_the_global_batch():
 
 def test_resume_plan_refuses_a_batch_that_cannot_be_kept():
     with pytest.raises(WorldSizeError, match=r"cannot be split over 4 ranks; resume on 1, 2, 3, "
-                                             r"6 rank\(s\), or pass --prompts-per-step"):
+                                             r"6 rank\(s\), or pass --sampling\.prompts_per_step"):
         resume_batch_plan(saved_world_size=2, saved_prompts_per_step=3, saved_grad_accum=0,
                           world_size=4)
     with pytest.raises(WorldSizeError, match="grad_accum 1"):  # 2 calls per step over 4 ranks
