@@ -33,8 +33,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from chunk_grpo.config.decoding import dotted_keys
 from chunk_grpo.config.errors import ConfigError
-from chunk_grpo.config.parsing import build_config, dotted_keys, load_yaml, parse_args
+from chunk_grpo.config.parsing import build_config, load_yaml, parse_args
 from chunk_grpo.config.schema import TrainConfig
 from chunk_grpo.data.prompts import load_prompts
 from chunk_grpo.evaluate.evaluation import evaluate_policy
@@ -140,9 +141,10 @@ def base_values(yaml_path: str | None, flags: dict[str, Any]) -> dict[str, Any]:
     """The base config's values: ABLATION_DEFAULTS < YAML file < flags (trainer defaults below
     all of them). Raises ConfigError for a flag the ablation sets itself."""
     values = dict(ABLATION_DEFAULTS)
-    # By flat name (an alias of each setting), whichever way the preset and flags spell them.
-    values.update(dotted_keys(load_yaml(yaml_path) if yaml_path else {}, str(yaml_path)))
-    for key, value in dotted_keys(flags, "the command line").items():
+    # By dotted key, whichever way (nested or dotted) the preset spells them.
+    preset = load_yaml(yaml_path) if yaml_path else {}
+    values.update(dotted_keys(TrainConfig, preset, str(yaml_path)))
+    for key, value in dotted_keys(TrainConfig, flags, "the command line").items():
         if key in RESERVED:
             raise ConfigError(f"--{key} is set by the ablation; use {RESERVED[key]}")
         values[key] = value

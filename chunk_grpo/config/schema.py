@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from chunk_grpo.config.checks import check_across_sections, check_reward_spec, check_section
+from chunk_grpo.config.decoding import merge_overrides
 from chunk_grpo.config.errors import ConfigError
 from chunk_grpo.config.sampling_options import DecodeTarget, SDEKind, check_antithetic
 from chunk_grpo.config.specs import (
@@ -329,8 +330,6 @@ class TrainConfig:
 
     def with_changes(self, changes: Mapping[str, Any]) -> TrainConfig:
         """A checked copy with ``changes`` ({dotted path: value}, values as in YAML) applied."""
-        from chunk_grpo.config.parsing import merge_overrides
-
         return merge_overrides(self, (changes, "the changes"))
 
     def validate(self) -> TrainConfig:

@@ -38,16 +38,17 @@ def test_config_reference_lists_every_key(tool):
     assert f"`{TrainConfig().reward.name}`" in text
 
 
-def test_field_comments_join_the_lines_above_and_beside(tool):
+def test_field_comments_join_the_lines_above_and_beside():
+    from chunk_grpo.config.describe import field_comments
     from chunk_grpo.config.schema import ModelConfig, RunConfig
 
-    model = tool._field_comments(ModelConfig)
+    model = field_comments(ModelConfig)
     assert model["base_quantization"] == (
-        "LoRA's frozen base in 4 or 8 bits (QLoRA, bitsandbytes; "
-        "chunk_grpo.models.quantize); none | nf4 | int8")
+        "LoRA's frozen base in 4 or 8 bits (QLoRA, bitsandbytes; chunk_grpo.models.quantize)")
+    assert model["mixed_precision"] == "auto: bf16 where native, else fp32"
     assert model["lora_rank"] == "0 = full fine-tuning"
     assert model["gradient_checkpointing"] == ""
-    assert RunConfig.__dataclass_fields__["export"].name in tool._field_comments(RunConfig)
+    assert RunConfig.__dataclass_fields__["export"].name in field_comments(RunConfig)
 
 
 # [text](target) and ![alt](target), outside code; the target up to a space or ")".
