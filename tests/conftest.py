@@ -1,5 +1,66 @@
 import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
 
 # Triton JIT-decorates kernels at import: the interpreter flag must be set before that, so the
 # Triton kernels can run (slowly, on small shapes) on CPU-only machines.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_seed(tmp_path_factory) -> Callable[[int], Path]:
+    """``seed -> directory`` of the tiny random FLUX (trainer_utils.tiny_model_dir) built with
+    that seed, each built once per test run. Tests must not write into it: take
+    `tiny_flux_copy` to change a model directory."""
+    built: dict[int, Path] = {}
+
+    def model(seed: int = 0) -> Path:
+        from trainer_utils import tiny_model_dir  # imported late: after TRITON_INTERPRET is set
+
+        if seed not in built:
+            built[seed] = tiny_model_dir(tmp_path_factory.mktemp(f"tiny-flux-{seed}"), seed)
+        return built[seed]
+
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_flux(tiny_flux_seed) -> Path:
+    """The tiny random FLUX (seed 0), built once per test run; read-only."""
+    return tiny_flux_seed(0)
+
+
+@pytest.fixture
+def tiny_flux_copy(tiny_flux, tmp_path) -> Path:
+    """A private copy of `tiny_flux` for a test that changes files in the model directory."""
+    return Path(shutil.copytree(tiny_flux, tmp_path / "tiny-flux-copy"))
+
+
+@pytest.fixture
+def register_test_reward() -> Iterator[Callable]:
+    """``register(name, factory)``: a toy reward registered until the test ends."""
+    from chunk_grpo.rewards import register_reward, unregister_reward
+
+    names: list[str] = []
+
+    def register(name: str, factory: Callable) -> Callable:
+        register_reward(name)(factory)
+        names.append(name)
+        return factory
+
+    yield register
+    for name in names:
+        unregister_reward(name)
+
+
+@pytest.fixture
+def brightness_reward(register_test_reward) -> str:
+    """The toy reward "test_brightness" (trainer_utils.Brightness, the default reward of
+    trainer_utils.tiny_config) registered for the test; its name."""
+    from trainer_utils import Brightness
+
+    register_test_reward("test_brightness", Brightness)
+    return "test_brightness"

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from trainer_utils import tiny_config, tiny_model_dir
+from trainer_utils import tiny_config
 
 from chunk_grpo.cli.runner import run_command
 from chunk_grpo.rewards.scoring import RewardTimeoutError
@@ -49,8 +49,9 @@ def blocking_reward(tmp_path, monkeypatch):
     return "blocking_reward:blocks"
 
 
-def test_a_reward_past_its_timeout_stops_the_run_in_one_line(tmp_path, capsys, blocking_reward):
-    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", reward=blocking_reward,
+def test_a_reward_past_its_timeout_stops_the_run_in_one_line(tiny_flux, tmp_path, capsys,
+                                                             blocking_reward):
+    cfg = tiny_config(tiny_flux, tmp_path / "run", reward=blocking_reward,
                       reward_timeout=0.5, max_steps=3, checkpoint_every=1)
     capsys.readouterr()
     start = time.monotonic()
@@ -67,12 +68,12 @@ def test_a_reward_past_its_timeout_stops_the_run_in_one_line(tmp_path, capsys, b
 @pytest.mark.slow  # a real process: start-up and one iteration
 @pytest.mark.parametrize("sig, status, what", [(signal.SIGINT, 130, "Ctrl-C"),
                                                (signal.SIGTERM, 143, "SIGTERM")])
-def test_a_signal_while_a_reward_blocks_exits_at_once(tmp_path, sig, status, what):
+def test_a_signal_while_a_reward_blocks_exits_at_once(tiny_flux, tmp_path, sig, status, what):
     (tmp_path / "blocking_reward.py").write_text(MODULE)
     out, marker = tmp_path / "run", tmp_path / "blocking"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)]),
            "OMP_NUM_THREADS": "1", "BLOCK_MARKER": str(marker)}
-    args = ["--model", str(tiny_model_dir(tmp_path)), "--reward", "blocking_reward:blocks",
+    args = ["--model", str(tiny_flux), "--reward", "blocking_reward:blocks",
             "--output-dir", str(out), "--num-steps", "5", "--group-size", "4",
             "--prompts-per-step", "2", "--chunks", "2,2", "--max-steps", "5",
             "--checkpoint-every", "1", "--eval-hybrid-steps", "0", "--eval-every", "0",

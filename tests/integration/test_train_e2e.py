@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from trainer_utils import tiny_config, tiny_model_dir, without_times
+from trainer_utils import tiny_config, without_times
 
 from chunk_grpo.cli import evaluate as evaluate_cli
 from chunk_grpo.cli.runner import run_command
@@ -40,8 +40,8 @@ except ValueError:
     pass
 
 
-def test_cli_two_steps_auto_chunks_and_export(tmp_path):
-    model = tiny_model_dir(tmp_path)
+def test_cli_two_steps_auto_chunks_and_export(tiny_flux, tmp_path):
+    model = tiny_flux
     out = tmp_path / "run"
     main(["--model", str(model), "--reward", "test_brightness", "--output-dir", str(out),
           "--num-steps", "6", "--group-size", "4", "--prompts-per-step", "2",
@@ -107,7 +107,7 @@ def test_cli_two_steps_auto_chunks_and_export(tmp_path):
 
 
 @pytest.mark.slow  # two CLI processes (train, then resume): ~50 s on a loaded 2-core CPU
-def test_cli_trains_on_a_users_reward_module_and_resumes_with_it(tmp_path, monkeypatch):
+def test_cli_trains_on_a_users_reward_module_and_resumes_with_it(tiny_flux, tmp_path, monkeypatch):
     (tmp_path / "user_rewards_e2e.py").write_text(
         "from chunk_grpo.rewards import register_reward\n\n\n"
         "@register_reward('test_user_darkness')\n"
@@ -115,7 +115,7 @@ def test_cli_trains_on_a_users_reward_module_and_resumes_with_it(tmp_path, monke
         "    return lambda images, prompts: 1.0 - images.float().mean(dim=(1, 2, 3))\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     out = tmp_path / "run"
-    common = ["--model", str(tiny_model_dir(tmp_path)), "--output-dir", str(out), "--num-steps",
+    common = ["--model", str(tiny_flux), "--output-dir", str(out), "--num-steps",
               "4", "--group-size", "2", "--prompts-per-step", "2", "--micro-batch-size", "4",
               "--chunks", "3", "--sde-window", "3", "--eval-every", "0", "--image-grid-every", "0",
               "--progress", "false", "--checkpoint-every", "1", "--eval-hybrid-steps", "2"]
@@ -127,23 +127,23 @@ def test_cli_trains_on_a_users_reward_module_and_resumes_with_it(tmp_path, monke
     assert [r["step"] for r in records] == [1, 2] and 0.0 < records[1]["reward_mean"] < 1.0
 
 
-def test_hybrid_steps_beyond_the_evaluation_steps_fail_before_training(tmp_path):
+def test_hybrid_steps_beyond_the_evaluation_steps_fail_before_training(tiny_flux, tmp_path):
     # The tiny model samples evaluations in 5 steps; the default eval_hybrid_steps is 8.
-    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", eval_hybrid_steps=8)
+    cfg = tiny_config(tiny_flux, tmp_path / "run", eval_hybrid_steps=8)
     with pytest.raises(ConfigError, match="eval_hybrid_steps=8 exceeds the 5 steps"):
         run(cfg)
     assert not (tmp_path / "run").exists()
 
 
-def test_a_misspelt_reward_or_missing_model_fails_first_and_leaves_no_run_directory(tmp_path,
-                                                                                      capsys):
-    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", reward="test_brightnes")
+def test_a_misspelt_reward_or_missing_model_fails_first_and_leaves_no_run_directory(
+        tiny_flux, tmp_path, capsys):
+    cfg = tiny_config(tiny_flux, tmp_path / "run", reward="test_brightnes")
     capsys.readouterr()  # the tiny model's save progress bars
     with pytest.raises(ConfigError, match="unknown reward 'test_brightnes' \\(did you mean "
                                           "'test_brightness'\\?\\)"):
         run(cfg)
     assert not (tmp_path / "run").exists()
-    odd = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", height=63)
+    odd = tiny_config(tiny_flux, tmp_path / "run", height=63)
     with pytest.raises(ConfigError, match="height and width must be multiples of 8, got 63x32"):
         run(odd)
     assert not (tmp_path / "run").exists()
@@ -164,9 +164,9 @@ def test_a_misspelt_reward_or_missing_model_fails_first_and_leaves_no_run_direct
     assert not (tmp_path / "run2").exists()  # the model is loaded before the run directory
 
 
-def test_nonfinite_rewards_skip_steps_then_stop(tmp_path):
+def test_nonfinite_rewards_skip_steps_then_stop(tiny_flux, tmp_path):
     NanAfterFirst.calls = 0
-    model = tiny_model_dir(tmp_path)
+    model = tiny_flux
     cfg = tiny_config(model, tmp_path / "run", reward="test_nan_after_first", max_steps=6,
                       checkpoint_every=1, max_bad_steps=2)
     with pytest.raises(TrainingDiverged, match="2 iterations in a row had NaN/Inf"):
@@ -178,8 +178,8 @@ def test_nonfinite_rewards_skip_steps_then_stop(tmp_path):
     assert latest_checkpoint(tmp_path / "run").name == "step-00000001"  # the last good one
 
 
-def test_lora_with_reference_kl_and_merged_export(tmp_path):
-    model = tiny_model_dir(tmp_path)
+def test_lora_with_reference_kl_and_merged_export(tiny_flux, tmp_path):
+    model = tiny_flux
     cfg = tiny_config(model, tmp_path / "run", max_steps=1, lora_rank=4, kl_coef=0.1,
                       kl_ref="reference", lr=1e-2, optimizer="adamw8bit")
     out = run(cfg)
@@ -208,9 +208,9 @@ def test_lora_with_reference_kl_and_merged_export(tmp_path):
     assert not torch.allclose(v_base, v_lora, atol=1e-5)  # the adapters did learn something
 
 
-def test_eval_gain_vs_base_is_exactly_zero_before_training(tmp_path):
+def test_eval_gain_vs_base_is_exactly_zero_before_training(tiny_flux, tmp_path):
     # LoRA starts with B = 0: the policy samples the base's images bit for bit.
-    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", lora_rank=4,
+    cfg = tiny_config(tiny_flux, tmp_path / "run", lora_rank=4,
                       eval_hybrid_steps=2, eval_images=3)
     tr = build_trainer(cfg, tmp_path / "run", init_distributed("cpu"))
     out = evaluate(tr, 0)
@@ -243,7 +243,8 @@ except ValueError:
     pass
 
 
-def test_a_guard_that_falls_beyond_eval_guard_stop_ends_the_run_cleanly(tmp_path, capsys):
+def test_a_guard_that_falls_beyond_eval_guard_stop_ends_the_run_cleanly(tiny_flux, tmp_path,
+                                                                        capsys):
     FallingGuard.falling = False
 
     def fall_after_step_1(step, metrics):
@@ -251,7 +252,7 @@ def test_a_guard_that_falls_beyond_eval_guard_stop_ends_the_run_cleanly(tmp_path
 
     # The base is evaluated at step 1 (before the fall) and cached; at step 2 the policy's guard
     # is 0.5 below it on all 4 images: the CI (width 0) lies below -0.1, so the run stops.
-    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", max_steps=6, eval_every=1,
+    cfg = tiny_config(tiny_flux, tmp_path / "run", max_steps=6, eval_every=1,
                       eval_hybrid_steps=2, eval_images=4, final_eval_images=4,
                       **{"eval.guard_reward": "test_falling_guard", "eval.guard_stop": 0.1})
     try:
@@ -282,10 +283,10 @@ def test_a_guard_that_falls_beyond_eval_guard_stop_ends_the_run_cleanly(tmp_path
     assert (out / "final_model" / "model_index.json").is_file()
 
 
-def test_the_guard_changes_nothing_the_run_trains(tmp_path):
+def test_the_guard_changes_nothing_the_run_trains(tiny_flux, tmp_path):
     """Scoring a guard (here the shapes checks) on the rollouts draws no random number the
     training uses: every trained metric is the same, bit for bit, with the guard on or off."""
-    model = tiny_model_dir(tmp_path)
+    model = tiny_flux
     runs = {}
     for guard in ("none", "shapes"):
         out = run(tiny_config(model, tmp_path / guard, max_steps=3,
@@ -300,10 +301,10 @@ def test_the_guard_changes_nothing_the_run_trains(tmp_path):
     assert trained == without_times(runs["none"])
 
 
-def test_a_guard_that_cannot_score_the_training_prompts(tmp_path, capsys):
+def test_a_guard_that_cannot_score_the_training_prompts(tiny_flux, tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a purple dog\na moon over a lake\n")
-    model = tiny_model_dir(tmp_path)
+    model = tiny_flux
     # named in eval.guard_reward: an error before the run directory exists
     named = tiny_config(model, tmp_path / "named", train_prompts=str(prompts),
                         **{"eval.guard_reward": "shapes"})

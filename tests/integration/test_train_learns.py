@@ -7,7 +7,7 @@ make the first test fail and the second pass the other way round.
 
 import pytest
 import torch
-from trainer_utils import tiny_config, tiny_model_dir
+from trainer_utils import tiny_config
 
 from chunk_grpo.evaluate.evaluation import evaluate_policy
 from chunk_grpo.models import FluxPolicy
@@ -50,8 +50,9 @@ def _mean(values: list[float]) -> float:
 @pytest.mark.parametrize("reward, sign, algorithm", [
     ("test_brightness", 1.0, "chunk_grpo"), ("test_darkness", -1.0, "chunk_grpo"),
     ("test_brightness", 1.0, "g2rpo")])
-def test_training_moves_held_out_images_the_rewarded_way(tmp_path, reward, sign, algorithm):
-    model = tiny_model_dir(tmp_path)
+def test_training_moves_held_out_images_the_rewarded_way(tiny_flux, tmp_path, reward, sign,
+                                                         algorithm):
+    model = tiny_flux
     # Full fine-tuning (the tiny random model's brightness hardly depends on its attention, so
     # attention LoRA would learn too slowly for a test), every step stochastic, all chunks.
     run(tiny_config(model, tmp_path / "run", reward=reward, max_steps=16, lr=1e-2,

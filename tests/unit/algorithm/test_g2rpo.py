@@ -4,7 +4,7 @@ resume equivalence)."""
 
 import pytest
 import torch
-from trainer_utils import Killed, tiny_config, tiny_model_dir, without_times
+from trainer_utils import Killed, tiny_config, without_times
 
 import grpo_kernels
 from chunk_grpo.algorithm.advantages import group_advantages, multi_granularity_advantages
@@ -26,8 +26,8 @@ KW = dict(group_size=4, num_steps=5, shift=3.0, kind="flow", eta=0.7)
 
 
 @pytest.fixture(scope="module")
-def policy(tmp_path_factory):
-    return FluxPolicy.from_pretrained(tiny_model_dir(tmp_path_factory.mktemp("m")))
+def policy(tiny_flux):
+    return FluxPolicy.from_pretrained(tiny_flux)
 
 
 def _sample(policy, branch_step, seed=0, **overrides):
@@ -132,8 +132,8 @@ def test_config_errors(tmp_path):
         tiny_config(tmp_path, tmp_path / "r", algorithm="grpo2")
 
 
-def test_trainer_runs_g2rpo_on_policy_and_resumes_exactly(tmp_path):
-    model = tiny_model_dir(tmp_path)
+def test_trainer_runs_g2rpo_on_policy_and_resumes_exactly(tiny_flux, tmp_path):
+    model = tiny_flux
     settings = dict(algorithm="g2rpo", shared_noise=True, g2rpo_granularities="1,3",
                     max_steps=3, checkpoint_every=1, lr=3e-3)
     straight = run(tiny_config(model, tmp_path / "a", **settings))
@@ -155,11 +155,11 @@ def test_trainer_runs_g2rpo_on_policy_and_resumes_exactly(tmp_path):
     assert without_times(read_metrics(resumed / "metrics.jsonl")) == without_times(records)
 
 
-def test_g2rpo_schedule_counts_the_optimizer_steps_it_takes(tmp_path):
+def test_g2rpo_schedule_counts_the_optimizer_steps_it_takes(tiny_flux, tmp_path):
     """The schedule's length and the loop count optimizer steps the same way: G2RPO trains one
     step-level chunk, so with grad_accum 1 an iteration takes one step per micro-batch (not per
     chunk of the layout), and a cosine schedule ends exactly at the last step."""
-    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", algorithm="g2rpo",
+    cfg = tiny_config(tiny_flux, tmp_path / "run", algorithm="g2rpo",
                       shared_noise=True, grad_accum=1, lr_schedule="cosine", max_steps=1)
     tr = build_trainer(cfg, tmp_path / "run", D.DistInfo())
     per_iteration = optimizer_steps_per_iter(cfg)

@@ -4,7 +4,6 @@ sampled at once."""
 
 import pytest
 import torch
-from trainer_utils import tiny_model_dir
 
 from chunk_grpo.algorithm.branching import sample_branch_rollouts
 from chunk_grpo.algorithm.noise import check_row_offset, image_generator, initial_noise, step_noise
@@ -18,8 +17,8 @@ STEP = 7
 
 
 @pytest.fixture(scope="module")
-def policy(tmp_path_factory):
-    return FluxPolicy.from_pretrained(tiny_model_dir(tmp_path_factory.mktemp("m")))
+def policy(tiny_flux):
+    return FluxPolicy.from_pretrained(tiny_flux)
 
 
 def _assert_same_rows(whole, parts):

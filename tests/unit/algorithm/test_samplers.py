@@ -4,7 +4,7 @@ gives for the same settings, and scores every granularity."""
 
 import pytest
 import torch
-from trainer_utils import tiny_config, tiny_model_dir
+from trainer_utils import tiny_config
 
 from chunk_grpo.algorithm.branching import sample_branch_rollouts
 from chunk_grpo.algorithm.chunking import ChunkLayout
@@ -18,8 +18,8 @@ PROMPTS = ["a red circle", "two blue squares"]
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tiny_model_dir(tmp_path_factory.mktemp("m"))
+def model(tiny_flux):
+    path = tiny_flux
     return path, FluxPolicy.from_pretrained(path)
 
 

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from trainer_utils import tiny_model_dir
 
 from chunk_grpo.algorithm.chunking import parse_chunk_spec
 from chunk_grpo.analysis import ablate
@@ -28,8 +27,8 @@ def tiny_base(model_dir, **extra):
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("ablate-model"))
+def model(tiny_flux):
+    return tiny_flux
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@ import json
 
 import pytest
 import torch
-from trainer_utils import tiny_config, tiny_model_dir
+from trainer_utils import tiny_config
 
 from chunk_grpo.analysis.gradient_snr import iteration_gradients, measure, snr_statistics
 from chunk_grpo.cli.gradient_snr import main
@@ -59,8 +59,8 @@ def test_statistics_reject_too_few_gradients():
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("snr"))
+def model_dir(tiny_flux):
+    return tiny_flux
 
 
 def test_gradients_leave_the_trainer_as_it_was(model_dir, tmp_path):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_utils import tiny_config, tiny_model_dir
+from trainer_utils import tiny_config
 
 from chunk_grpo.cli.runner import run_command
 from chunk_grpo.cli.train import main
@@ -102,8 +102,8 @@ def test_numeric_fields_are_finite_and_in_range(key, value, message):
 # ----------------------------------------------------------------------------- train, in-process
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("model"))
+def model(tiny_flux):
+    return tiny_flux
 
 
 @pytest.fixture

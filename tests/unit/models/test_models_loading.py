@@ -3,14 +3,13 @@
 import shutil
 
 import pytest
-from trainer_utils import tiny_model_dir
 
 from chunk_grpo.models import FluxPolicy, ModelLoadError, SamplingDefaults, load_flux_pipeline
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("tiny_flux"))
+def model_dir(tiny_flux):
+    return tiny_flux
 
 
 def _copy(model_dir, tmp_path):

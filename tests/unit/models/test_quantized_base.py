@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 from safetensors import safe_open
-from trainer_utils import tiny_config, tiny_model_dir, velocities
+from trainer_utils import tiny_config, velocities
 
 from chunk_grpo.config.errors import ConfigError
 from chunk_grpo.config.schema import build_config
@@ -39,8 +39,8 @@ STORAGE = {"nf4": torch.uint8, "int8": torch.int8}
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("m"))
+def model_dir(tiny_flux):
+    return tiny_flux
 
 
 def call_inputs(transformer, rows: int = 2) -> dict:

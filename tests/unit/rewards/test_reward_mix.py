@@ -4,7 +4,7 @@ device/dtype options, batching, and the trainer's per-reward logs and overlapped
 import pytest
 import torch
 import yaml
-from trainer_utils import tiny_config, tiny_model_dir
+from trainer_utils import tiny_config
 
 from chunk_grpo.algorithm.advantages import per_reward_advantages
 from chunk_grpo.algorithm.rollout import RolloutSettings, sample_rollouts
@@ -179,8 +179,8 @@ def test_per_reward_advantages_by_hand():
 
 # ----------------------------------------------------------------------------- the trainer
 
-def test_run_logs_every_reward_and_the_weighted_total(tmp_path):
-    model = tiny_model_dir(tmp_path)
+def test_run_logs_every_reward_and_the_weighted_total(tiny_flux, tmp_path):
+    model = tiny_flux
     out = run(tiny_config(model, tmp_path / "run", max_steps=1,
                           reward="test_brightness=1.0,test_mix_red=0.5",
                           mix_advantage="per_reward"))
@@ -194,10 +194,10 @@ def test_run_logs_every_reward_and_the_weighted_total(tmp_path):
     assert record["skipped"] == 0 and record["adv_abs_max"] > 0
 
 
-def test_overlapped_scoring_gives_the_same_iteration(tmp_path):
+def test_overlapped_scoring_gives_the_same_iteration(tiny_flux, tmp_path):
     """Rows 0-7 in three rollout batches (3, 3, 2), scored on a worker thread or inline: the same
     rewards, advantages and update."""
-    model = tiny_model_dir(tmp_path)
+    model = tiny_flux
     results = []
     for overlap in (True, False):
         cfg = tiny_config(model, tmp_path / f"run{overlap}", rollout_batch_size=3,
@@ -209,10 +209,10 @@ def test_overlapped_scoring_gives_the_same_iteration(tmp_path):
     assert results[0] == results[1]
 
 
-def test_rollout_hook_sees_each_batch_in_order(tmp_path):
+def test_rollout_hook_sees_each_batch_in_order(tiny_flux, tmp_path):
     from chunk_grpo.models import FluxPolicy
 
-    policy = FluxPolicy.from_pretrained(tiny_model_dir(tmp_path))
+    policy = FluxPolicy.from_pretrained(tiny_flux)
     seen = []
     rollout = sample_rollouts(policy, ["a red circle", "two blue squares"], RolloutSettings(
         group_size=3, num_steps=3, shift=3.0, kind="flow", eta=0.7, batch_size=4, seed=0),
@@ -222,8 +222,8 @@ def test_rollout_hook_sees_each_batch_in_order(tmp_path):
     assert [p for _, _, ps in seen for p in ps] == ["a red circle"] * 3 + ["two blue squares"] * 3
 
 
-def test_g2rpo_per_reward_advantages_sum_over_finishes_and_rewards(tmp_path):
-    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", algorithm="g2rpo",
+def test_g2rpo_per_reward_advantages_sum_over_finishes_and_rewards(tiny_flux, tmp_path):
+    cfg = tiny_config(tiny_flux, tmp_path / "run", algorithm="g2rpo",
                       shared_noise=True, g2rpo_granularities="1,2", mix_advantage="per_reward",
                       reward="test_brightness=1.0,test_mix_red=0.5", adv_clip_max=None)
     tr = build_trainer(cfg, tmp_path / "run", D.DistInfo())

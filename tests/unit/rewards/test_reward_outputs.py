@@ -3,7 +3,7 @@ logged and skipped step; and nothing lost."""
 
 import pytest
 import torch
-from trainer_utils import tiny_config, tiny_model_dir
+from trainer_utils import tiny_config
 
 from chunk_grpo.cli.runner import run_command
 from chunk_grpo.rewards import RewardOutputError, get_reward, register_reward
@@ -104,9 +104,9 @@ def _error_line(stderr: str) -> str:
     return line
 
 
-def _config(tmp_path, mode, from_call=1, **overrides):
+def _config(model, tmp_path, mode, from_call=1, **overrides):
     CallCounting.calls, CallCounting.mode, CallCounting.from_call = 0, mode, from_call
-    return tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", reward="test_call_counting",
+    return tiny_config(model, tmp_path / "run", reward="test_call_counting",
                        **overrides)
 
 
@@ -115,8 +115,8 @@ def _config(tmp_path, mode, from_call=1, **overrides):
     ("nan", "stops before the run"), ("wrong_length", "stops before the run"),
     ("strings", "stops before the run"), ("raise", "stops before the run"),
 ])
-def test_bad_outputs_in_a_run(tmp_path, capsys, mode, outcome):
-    cfg = _config(tmp_path, mode, max_steps=2, checkpoint_every=1, max_bad_steps=5)
+def test_bad_outputs_in_a_run(tiny_flux, tmp_path, capsys, mode, outcome):
+    cfg = _config(tiny_flux, tmp_path, mode, max_steps=2, checkpoint_every=1, max_bad_steps=5)
     capsys.readouterr()
     if outcome == "stops before the run":
         with pytest.raises(SystemExit) as stop:
@@ -139,10 +139,11 @@ def test_bad_outputs_in_a_run(tmp_path, capsys, mode, outcome):
         assert warnings == 1 and records[0]["adv_abs_max"] == 0.0
 
 
-def test_a_run_whose_rewards_are_all_nan_trains_nothing_and_fails_in_one_line(tmp_path, capsys):
+def test_a_run_whose_rewards_are_all_nan_trains_nothing_and_fails_in_one_line(tiny_flux, tmp_path,
+                                                                              capsys):
     """Finite on the start-up probe, NaN on every rollout: every iteration is skipped, and a run
     with no optimizer step is exit 2 with the cause (no summary, no final model)."""
-    cfg = _config(tmp_path, "nan", from_call=2, max_steps=2, checkpoint_every=1,
+    cfg = _config(tiny_flux, tmp_path, "nan", from_call=2, max_steps=2, checkpoint_every=1,
                   max_bad_steps=5)
     capsys.readouterr()
     with pytest.raises(SystemExit) as stop:
@@ -159,9 +160,9 @@ def test_a_run_whose_rewards_are_all_nan_trains_nothing_and_fails_in_one_line(tm
     assert not (out / "final_model").exists() and not (out / "summary.json").exists()
 
 
-def test_a_reward_failing_mid_run_stops_in_one_line_naming_the_intact_checkpoint(tmp_path,
-                                                                                   capsys):
-    cfg = _config(tmp_path, "raise", from_call=3, max_steps=3, checkpoint_every=1)
+def test_a_reward_failing_mid_run_stops_in_one_line_naming_the_intact_checkpoint(
+        tiny_flux, tmp_path, capsys):
+    cfg = _config(tiny_flux, tmp_path, "raise", from_call=3, max_steps=3, checkpoint_every=1)
     capsys.readouterr()
     with pytest.raises(SystemExit) as stop:
         run_command(lambda: run(cfg), "prog", errors=(RewardOutputError,))
@@ -173,11 +174,13 @@ def test_a_reward_failing_mid_run_stops_in_one_line_naming_the_intact_checkpoint
     assert load_checkpoint(kept, restore_rng=False)["step"] == 1
 
 
-def test_diverged_run_names_a_checkpoint_that_exists_or_none(tmp_path):
-    cfg = _config(tmp_path, "nan", from_call=2, max_steps=4, checkpoint_every=1, max_bad_steps=1)
+def test_diverged_run_names_a_checkpoint_that_exists_or_none(tiny_flux, tmp_path):
+    cfg = _config(tiny_flux, tmp_path, "nan", from_call=2, max_steps=4, checkpoint_every=1,
+                  max_bad_steps=1)
     with pytest.raises(TrainingDiverged, match="no checkpoint was written yet"):
         run(cfg)
-    cfg = _config(tmp_path, "nan", from_call=3, max_steps=4, checkpoint_every=1, max_bad_steps=1,
+    cfg = _config(tiny_flux, tmp_path, "nan", from_call=3, max_steps=4, checkpoint_every=1,
+                  max_bad_steps=1,
                   output_dir=str(tmp_path / "run2"))
     with pytest.raises(TrainingDiverged) as err:
         run(cfg)

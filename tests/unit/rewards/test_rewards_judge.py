@@ -20,7 +20,7 @@ import pytest
 import torch
 import yaml
 from PIL import Image
-from trainer_utils import tiny_config, tiny_model_dir
+from trainer_utils import tiny_config
 
 from chunk_grpo.config.errors import ConfigError
 from chunk_grpo.config.reward_spec import RewardSpecError
@@ -364,11 +364,11 @@ def test_the_shipped_judge_configs_parse():
 
 
 @pytest.mark.slow
-def test_a_training_step_scores_its_rollouts_with_the_judge(server, tmp_path):
+def test_a_training_step_scores_its_rollouts_with_the_judge(tiny_flux, server, tmp_path):
     path = tmp_path / "judge.yaml"
     path.write_text(yaml.safe_dump({"base_url": server.url, "model": MODEL, "template": TEMPLATE,
                                     "max_concurrency": 4}))
-    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", reward=f"judge:{path}",
+    cfg = tiny_config(tiny_flux, tmp_path / "run", reward=f"judge:{path}",
                       max_steps=1, eval_images=2, final_eval_images=2)
     run(cfg)
     record = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]

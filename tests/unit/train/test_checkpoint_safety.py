@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from parallel_utils import build_transformer, make_optimizer, train
-from trainer_utils import tiny_config, tiny_model_dir
+from trainer_utils import tiny_config
 
 from chunk_grpo.analysis.ablate import train_resumably
 from chunk_grpo.cli.runner import run_command
@@ -87,10 +87,10 @@ def _state_with_payload(marker: pathlib.Path) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
+def finished_run(tiny_flux, tmp_path_factory):
     """A finished one-process run with a checkpoint at step 1."""
     root = tmp_path_factory.mktemp("safety")
-    return run(tiny_config(tiny_model_dir(root), root / "run", max_steps=1, checkpoint_every=1))
+    return run(tiny_config(tiny_flux, root / "run", max_steps=1, checkpoint_every=1))
 
 
 @pytest.mark.parametrize("manifest", ["rewritten", "deleted"])
