@@ -1,6 +1,7 @@
 import os
 import shutil
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -10,21 +11,31 @@ import pytest
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _files(directory: Path) -> dict[str, tuple[int, int]]:
+    return {str(f.relative_to(directory)): (f.stat().st_size, f.stat().st_mtime_ns)
+            for f in sorted(directory.rglob("*"))}
+
+
 @pytest.fixture(scope="session")
-def tiny_flux_seed(tmp_path_factory) -> Callable[[int], Path]:
+def tiny_flux_seed(tmp_path_factory) -> Iterator[Callable[[int], Path]]:
     """``seed -> directory`` of the tiny random FLUX (trainer_utils.tiny_model_dir) built with
-    that seed, each built once per test run. Tests must not write into it: take
-    `tiny_flux_copy` to change a model directory."""
-    built: dict[int, Path] = {}
+    that seed, each built once per test run and shared by every test. Tests must not write
+    into it (checked at the end of the run): take `tiny_flux_copy` to change a model
+    directory."""
+    built: dict[int, tuple[Path, dict]] = {}
 
     def model(seed: int = 0) -> Path:
         from trainer_utils import tiny_model_dir  # imported late: after TRITON_INTERPRET is set
 
         if seed not in built:
-            built[seed] = tiny_model_dir(tmp_path_factory.mktemp(f"tiny-flux-{seed}"), seed)
-        return built[seed]
+            path = tiny_model_dir(tmp_path_factory.mktemp(f"tiny-flux-{seed}"), seed)
+            built[seed] = path, _files(path)
+        return built[seed][0]
 
-    return model
+    yield model
+    changed = [str(path) for path, files in built.values() if _files(path) != files]
+    assert not changed, (f"a test changed the shared tiny FLUX in {changed}; take the "
+                         "tiny_flux_copy fixture to change a model directory")
 
 
 @pytest.fixture(scope="session")
@@ -42,18 +53,14 @@ def tiny_flux_copy(tiny_flux, tmp_path) -> Path:
 @pytest.fixture
 def register_test_reward() -> Iterator[Callable]:
     """``register(name, factory)``: a toy reward registered until the test ends."""
-    from chunk_grpo.rewards import register_reward, unregister_reward
+    from trainer_utils import registered_rewards
 
-    names: list[str] = []
+    with ExitStack() as stack:
+        def register(name: str, factory: Callable) -> Callable:
+            stack.enter_context(registered_rewards(**{name: factory}))
+            return factory
 
-    def register(name: str, factory: Callable) -> Callable:
-        register_reward(name)(factory)
-        names.append(name)
-        return factory
-
-    yield register
-    for name in names:
-        unregister_reward(name)
+        yield register
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import torch
 from chunk_grpo.config.schema import build_config
 from chunk_grpo.models import SamplingDefaults
 from chunk_grpo.models.tiny import build_tiny_flux_pipeline
-from chunk_grpo.rewards import register_reward, unregister_reward
+from chunk_grpo.rewards import available_rewards, register_reward, unregister_reward
 from chunk_grpo.shapes import VOCABULARY
 
 TINY_SIZES = dict(num_layers=1, num_single_layers=1, num_attention_heads=2,
@@ -59,8 +59,10 @@ def registered_rewards(**factories: Callable) -> Iterator[None]:
     done = []
     try:
         for name, factory in factories.items():
-            register_reward(name)(factory)
-            done.append(name)
+            fresh = name not in available_rewards()
+            register_reward(name)(factory)  # refuses a name taken by another factory
+            if fresh:  # an enclosing block registered it already: it unregisters it
+                done.append(name)
         yield
     finally:
         for name in done:

@@ -14,7 +14,6 @@ from chunk_grpo.config.errors import ConfigError
 from chunk_grpo.config.schema import load_saved_config
 from chunk_grpo.models import FluxPolicy
 from chunk_grpo.models.loading import ModelLoadError
-from chunk_grpo.rewards import register_reward
 from chunk_grpo.runtime.distributed import init_distributed
 from chunk_grpo.train.checkpoint import latest_checkpoint
 from chunk_grpo.train.loop import TrainingDiverged, run
@@ -34,10 +33,11 @@ class NanAfterFirst:
         return r if NanAfterFirst.calls <= 2 else r * float("nan")
 
 
-try:
-    register_reward("test_nan_after_first")(NanAfterFirst)
-except ValueError:
-    pass
+@pytest.fixture(autouse=True)
+def toy_rewards(register_test_reward, brightness_reward):
+    """This module's toy rewards, registered for each of its tests."""
+    register_test_reward("test_nan_after_first", NanAfterFirst)
+    register_test_reward("test_falling_guard", FallingGuard)
 
 
 def test_cli_two_steps_auto_chunks_and_export(tiny_flux, tmp_path):
@@ -237,10 +237,6 @@ class FallingGuard:
         return images.float().mean(dim=(1, 2, 3)) - (0.5 if FallingGuard.falling else 0.0)
 
 
-try:
-    register_reward("test_falling_guard")(FallingGuard)
-except ValueError:
-    pass
 
 
 def test_a_guard_that_falls_beyond_eval_guard_stop_ends_the_run_cleanly(tiny_flux, tmp_path,

@@ -11,7 +11,6 @@ from trainer_utils import tiny_config
 
 from chunk_grpo.evaluate.evaluation import evaluate_policy
 from chunk_grpo.models import FluxPolicy
-from chunk_grpo.rewards import register_reward
 from chunk_grpo.shapes import HELDOUT_PROMPTS_FILE, load_prompts
 from chunk_grpo.train.loop import run
 from chunk_grpo.train.metrics import read_metrics
@@ -24,10 +23,10 @@ class Darkness:
         return 1.0 - images.float().mean(dim=(1, 2, 3))
 
 
-try:
-    register_reward("test_darkness")(Darkness)
-except ValueError:
-    pass
+@pytest.fixture(autouse=True)
+def toy_rewards(register_test_reward, brightness_reward):
+    """test_brightness and test_darkness, registered for each test."""
+    register_test_reward("test_darkness", Darkness)
 
 # Held-out prompts the run never trains on, two ODE images each: the paired change in mean
 # brightness of the same initial noise before and after training.

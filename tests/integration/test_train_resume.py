@@ -13,6 +13,9 @@ from chunk_grpo.train.checkpoint import latest_checkpoint, load_checkpoint, save
 from chunk_grpo.train.loop import run
 from chunk_grpo.train.metrics import read_metrics
 
+# tiny_config's default reward, registered for each test
+pytestmark = pytest.mark.usefixtures("brightness_reward")
+
 
 def _straight_and_resumed(model, tmp_path, **settings) -> None:
     """An uninterrupted 4-step run and one killed after step 3 (checkpoint at 2) then resumed

@@ -21,6 +21,9 @@ from chunk_grpo.train.loop import run, train_iteration
 from chunk_grpo.train.metrics import read_metrics
 from chunk_grpo.train.setup import build_trainer, optimizer_steps_per_iter
 
+# tiny_config's default reward, registered for each test
+pytestmark = pytest.mark.usefixtures("brightness_reward")
+
 PROMPTS = ["a red circle", "two blue squares", "one green triangle"]
 KW = dict(group_size=4, num_steps=5, shift=3.0, kind="flow", eta=0.7)
 

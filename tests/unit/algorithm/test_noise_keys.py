@@ -11,6 +11,9 @@ from chunk_grpo.algorithm.rollout import RolloutSettings, generate, sample_rollo
 from chunk_grpo.evaluate.evaluation import evaluate_policy
 from chunk_grpo.models import FluxPolicy
 
+# tiny_config's default reward, registered for each test
+pytestmark = pytest.mark.usefixtures("brightness_reward")
+
 PROMPTS = ["a red circle", "two blue squares", "three green triangles", "a yellow square"]
 ROLLOUT = dict(num_steps=3, shift=3.0, kind="flow", eta=0.7, seed=5, batch_size=4)
 STEP = 7

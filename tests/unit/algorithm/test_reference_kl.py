@@ -20,6 +20,9 @@ from chunk_grpo.runtime import distributed as D
 from chunk_grpo.train.loop import train_iteration
 from chunk_grpo.train.setup import build_trainer, rollout_settings
 
+# tiny_config's default reward, registered for each test
+pytestmark = pytest.mark.usefixtures("brightness_reward")
+
 STEPS = [0, 1, 2, 3]
 
 

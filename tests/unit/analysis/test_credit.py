@@ -8,6 +8,9 @@ from chunk_grpo.cli.credit import main
 from chunk_grpo.models import FluxPolicy
 from chunk_grpo.rewards import get_reward
 
+# tiny_config's default reward, registered for each test
+pytestmark = pytest.mark.usefixtures("brightness_reward")
+
 PROMPTS = ["a large red circle", "two small blue squares"]
 
 

@@ -26,6 +26,9 @@ from chunk_grpo.train.loop import TrainingDiverged, _checkpoint, run
 from chunk_grpo.train.run_lock import RunLock
 from chunk_grpo.train.setup import build_trainer
 
+# tiny_config's default reward, registered for each test
+pytestmark = pytest.mark.usefixtures("brightness_reward")
+
 ROOT = Path(__file__).resolve().parents[3]
 
 

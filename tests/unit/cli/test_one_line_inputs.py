@@ -13,6 +13,9 @@ from chunk_grpo.cli.runner import _loaded_one_line_errors, run_command
 from chunk_grpo.cli.train import main
 from chunk_grpo.train.loop import run
 
+# tiny_config's default reward, registered for each test
+pytestmark = pytest.mark.usefixtures("brightness_reward")
+
 
 def _one_line(argv: list[str], capsys) -> str:
     capsys.readouterr()

@@ -14,6 +14,9 @@ from chunk_grpo.models.prompt_cache import (
 )
 from chunk_grpo.runtime.distributed import DistInfo
 
+# tiny_config's default reward, registered for each test
+pytestmark = pytest.mark.usefixtures("brightness_reward")
+
 WORDS = "a one two red green blue circle circles square big".split()
 PROMPTS = ["two red circles", "a big blue square", "one green circle", "two red circles"]
 

@@ -33,6 +33,9 @@ from chunk_grpo.train.checkpoint import latest_checkpoint
 from chunk_grpo.train.loop import run
 from chunk_grpo.train.metrics import read_metrics
 
+# tiny_config's default reward, registered for each test
+pytestmark = pytest.mark.usefixtures("brightness_reward")
+
 bnb = pytest.importorskip("bitsandbytes")
 BNB_CLASSES = {"nf4": bnb.nn.Linear4bit, "int8": bnb.nn.Linear8bitLt}
 STORAGE = {"nf4": torch.uint8, "int8": torch.int8}

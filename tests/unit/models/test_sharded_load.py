@@ -25,7 +25,7 @@ from parallel_utils import build_transformer, full_trainable_state, loss_of, ste
 from safetensors import safe_open
 from spawn_ranks import run_ranks
 from torch.distributed.tensor import DTensor
-from trainer_utils import tiny_config
+from trainer_utils import Brightness, registered_rewards, tiny_config
 
 import chunk_grpo.models.sharded_load as sharded_load
 import chunk_grpo.runtime.parallelize as parallelize
@@ -41,7 +41,8 @@ from chunk_grpo.runtime.parallelize import (
 )
 from chunk_grpo.train.setup import build_policy
 
-pytestmark = pytest.mark.slow  # one launch of 2 forked ranks
+# one launch of 2 forked ranks; tiny_config's default reward registered for each test
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("brightness_reward")]
 SETTINGS = dict(parallelism="fsdp", eval_hybrid_steps=2, lora_targets=["to_q", "to_k"])
 # FLUX.1-dev's transformer/config.json at 1 double + 1 single block (545M parameters), as the
 # memory plan's benchmark builds it.
@@ -186,7 +187,8 @@ def two_ranks(tiny_flux, tmp_path_factory):
     root = tmp_path_factory.mktemp("sharded")
     model_dir = tiny_flux
     flux_dir = save_flux_width(root / "flux-width")
-    return root, model_dir, run_ranks(sharded_scenarios, 2, root, model_dir, flux_dir)
+    with registered_rewards(test_brightness=Brightness):  # the forked ranks inherit it
+        return root, model_dir, run_ranks(sharded_scenarios, 2, root, model_dir, flux_dir)
 
 
 @pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])

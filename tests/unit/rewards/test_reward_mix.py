@@ -11,7 +11,7 @@ from chunk_grpo.algorithm.rollout import RolloutSettings, sample_rollouts
 from chunk_grpo.config.errors import ConfigError
 from chunk_grpo.config.reward_spec import RewardSpecError, format_reward_spec, parse_reward_spec
 from chunk_grpo.config.schema import build_config, parse_args
-from chunk_grpo.rewards import build_reward, register_reward
+from chunk_grpo.rewards import build_reward
 from chunk_grpo.runtime import distributed as D
 from chunk_grpo.train.loop import run, train_iteration
 from chunk_grpo.train.metrics import read_metrics
@@ -42,12 +42,12 @@ def recorder_with_kwargs(**options):
     return lambda images, prompts: images.float().mean(dim=(1, 2, 3))
 
 
-for name, factory in (("test_mix_red", Redness), ("test_mix_recorder", Recorder),
-                      ("test_mix_kwargs", recorder_with_kwargs)):
-    try:
-        register_reward(name)(factory)
-    except ValueError:
-        pass
+@pytest.fixture(autouse=True)
+def toy_rewards(register_test_reward, brightness_reward):
+    """This module's toy rewards, registered for each of its tests."""
+    register_test_reward("test_mix_red", Redness)
+    register_test_reward("test_mix_recorder", Recorder)
+    register_test_reward("test_mix_kwargs", recorder_with_kwargs)
 
 
 # ----------------------------------------------------------------------------- the spec

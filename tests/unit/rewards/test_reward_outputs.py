@@ -6,7 +6,7 @@ import torch
 from trainer_utils import tiny_config
 
 from chunk_grpo.cli.runner import run_command
-from chunk_grpo.rewards import RewardOutputError, get_reward, register_reward
+from chunk_grpo.rewards import RewardOutputError, get_reward
 from chunk_grpo.rewards.outputs import call_reward, check_reward_output
 from chunk_grpo.rewards.registry import RewardLoadError
 from chunk_grpo.train.checkpoint import latest_checkpoint, load_checkpoint
@@ -90,10 +90,10 @@ class CallCounting:
         return BAD_OUTPUTS[CallCounting.mode](images, prompts)
 
 
-try:
-    register_reward("test_call_counting")(CallCounting)
-except ValueError:
-    pass
+@pytest.fixture(autouse=True)
+def toy_rewards(register_test_reward, brightness_reward):
+    """This module's toy rewards, registered for each of its tests."""
+    register_test_reward("test_call_counting", CallCounting)
 
 
 def _error_line(stderr: str) -> str:

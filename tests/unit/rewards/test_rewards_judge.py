@@ -32,6 +32,9 @@ from chunk_grpo.train.loop import run
 from chunk_grpo.train.metrics import read_metrics
 from chunk_grpo.train.setup import check_reward_name
 
+# tiny_config's default reward, registered for each test
+pytestmark = pytest.mark.usefixtures("brightness_reward")
+
 MODEL = "judge-test-vl"
 TEMPLATE = "Rate how well this image shows: {prompt}. Reply 'Score: N' from 1 to 10."
 

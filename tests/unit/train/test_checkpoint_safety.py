@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from parallel_utils import build_transformer, make_optimizer, train
-from trainer_utils import tiny_config
+from trainer_utils import Brightness, registered_rewards, tiny_config
 
 from chunk_grpo.analysis.ablate import train_resumably
 from chunk_grpo.cli.runner import run_command
@@ -40,6 +40,9 @@ from chunk_grpo.train.sharded_checkpoint import (
     save_sharded_checkpoint,
     select_checkpoint,
 )
+
+# tiny_config's default reward, registered for each test
+pytestmark = pytest.mark.usefixtures("brightness_reward")
 
 
 class Payload:
@@ -90,7 +93,8 @@ def _state_with_payload(marker: pathlib.Path) -> bytes:
 def finished_run(tiny_flux, tmp_path_factory):
     """A finished one-process run with a checkpoint at step 1."""
     root = tmp_path_factory.mktemp("safety")
-    return run(tiny_config(tiny_flux, root / "run", max_steps=1, checkpoint_every=1))
+    with registered_rewards(test_brightness=Brightness):
+        return run(tiny_config(tiny_flux, root / "run", max_steps=1, checkpoint_every=1))
 
 
 @pytest.mark.parametrize("manifest", ["rewritten", "deleted"])

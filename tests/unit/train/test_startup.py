@@ -19,6 +19,9 @@ from chunk_grpo.models import FluxPolicy
 from chunk_grpo.models.prompt_cache import PromptCache, fill_prompt_cache
 from chunk_grpo.runtime import distributed as D
 
+# tiny_config's default reward, registered for each test
+pytestmark = pytest.mark.usefixtures("brightness_reward")
+
 PROMPTS = ["a red circle", "two blue squares", "one green triangle", "a big red square",
            "three small blue circles", "a green square", "two red triangles"]
 
