@@ -18,9 +18,6 @@ from chunk_grpo.rewards.scoring import RewardTimeoutError
 from chunk_grpo.train.checkpoint import latest_checkpoint
 from chunk_grpo.train.loop import run
 
-# tiny_config's default reward, registered for each test
-pytestmark = pytest.mark.usefixtures("brightness_reward")
-
 ROOT = Path(__file__).resolve().parents[2]
 MODULE = '''
 import os

@@ -14,9 +14,6 @@ from chunk_grpo.models import FluxPolicy
 from chunk_grpo.rewards.scoring import RolloutScorer
 from chunk_grpo.train.setup import build_sampler, resolve_reward, rollout_settings
 
-# tiny_config's default reward, registered for each test
-pytestmark = pytest.mark.usefixtures("brightness_reward")
-
 PROMPTS = ["a red circle", "two blue squares"]
 
 

@@ -12,12 +12,6 @@ def model_dir(tiny_flux):
     return tiny_flux
 
 
-def _copy(model_dir, tmp_path):
-    target = tmp_path / "model"
-    shutil.copytree(model_dir, target)
-    return target
-
-
 def test_loads_local_directory_as_path_or_string(model_dir, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     a = load_flux_pipeline(model_dir)
@@ -40,8 +34,8 @@ def test_directory_without_pipeline_index(tmp_path):
         load_flux_pipeline(tmp_path)
 
 
-def test_missing_weights_are_reported(model_dir, tmp_path):
-    target = _copy(model_dir, tmp_path)
+def test_missing_weights_are_reported(tiny_flux_copy):
+    target = tiny_flux_copy
     for f in (target / "transformer").glob("*.safetensors"):
         f.unlink()
     with pytest.raises(ModelLoadError, match="transformer/ \\(no .safetensors weights\\)"):
@@ -51,9 +45,9 @@ def test_missing_weights_are_reported(model_dir, tmp_path):
         load_flux_pipeline(target)
 
 
-def test_deleted_tokenizer_file_is_an_error_not_a_stub(model_dir, tmp_path, monkeypatch):
+def test_deleted_tokenizer_file_is_an_error_not_a_stub(tiny_flux_copy, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    target = _copy(model_dir, tmp_path)
+    target = tiny_flux_copy
     (target / "tokenizer_2" / "tokenizer.json").unlink()
     with pytest.raises(ModelLoadError, match="tokenizer_2 has .* tokens but text_encoder_2"):
         load_flux_pipeline(target)

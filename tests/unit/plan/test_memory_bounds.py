@@ -23,9 +23,6 @@ from chunk_grpo.plan.activations import (
 from chunk_grpo.plan.memory import GB, PlanDoesNotFit, build_plan, settings_from_config
 from chunk_grpo.plan.models import resolve_model_configs
 
-# tiny_config's default reward, registered for each test
-pytestmark = pytest.mark.usefixtures("brightness_reward")
-
 BUDGET = 8 * GB  # what the host is said to have, whatever this one has
 
 

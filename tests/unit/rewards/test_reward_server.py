@@ -30,9 +30,6 @@ from chunk_grpo.train.checkpoint import latest_checkpoint
 from chunk_grpo.train.loop import run
 from chunk_grpo.train.metrics import read_metrics
 
-# tiny_config's default reward, registered for each test
-pytestmark = pytest.mark.usefixtures("brightness_reward")
-
 REPO = Path(__file__).resolve().parents[3]
 MODULE = '''
 import time

@@ -8,9 +8,6 @@ from trainer_utils import TINY_SIZES, save_tiny_flux, tiny_config
 from chunk_grpo.config.errors import ConfigError
 from chunk_grpo.train.setup import load_policy
 
-# tiny_config's default reward, registered for each test
-pytestmark = pytest.mark.usefixtures("brightness_reward")
-
 WORDS = ["a", "cat", "red"]
 
 
