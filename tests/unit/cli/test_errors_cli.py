@@ -215,7 +215,9 @@ def test_ctrl_c_exits_130_naming_a_resumable_checkpoint(tmp_path, model):
             "--mixed-precision", "no", "--max-minutes", "0", "--sde-window", "0"]
     # the test reward lives in the tests: register it in the child before the CLI runs
     code = ("import sys, runpy; from chunk_grpo.runtime.quiet import quiet_third_party; "
-            "quiet_third_party(); sys.path.insert(0, 'tests'); import trainer_utils; "
+            "quiet_third_party(); sys.path.insert(0, 'tests'); "
+            "from trainer_utils import Brightness; from chunk_grpo.rewards import register_reward; "
+            "register_reward('test_brightness')(Brightness); "
             "sys.argv = ['chunk_grpo.train'] + sys.argv[1:]; "
             "runpy.run_module('chunk_grpo.train', run_name='__main__')")
     proc = subprocess.Popen([sys.executable, "-c", code, *args], cwd=ROOT, env=env,
