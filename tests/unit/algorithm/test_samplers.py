@@ -16,6 +16,9 @@ from chunk_grpo.train.setup import build_sampler, resolve_reward, rollout_settin
 
 PROMPTS = ["a red circle", "two blue squares"]
 
+# tiny_config's default reward, registered for each test
+pytestmark = pytest.mark.usefixtures("brightness_reward")
+
 
 @pytest.fixture(scope="module")
 def model(tiny_flux):

@@ -260,8 +260,8 @@ def test_fsdp_accumulates_sharded_gradients_that_train_like_one_process(two_rank
                                        msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_a_checkpoint_that_disagrees_with_its_config_is_named(tiny_flux, tmp_path):
-    model_dir = tiny_flux
+def test_a_checkpoint_that_disagrees_with_its_config_is_named(tiny_flux_copy, tmp_path):
+    model_dir = tiny_flux_copy  # its weights file is moved away below
     transformer = sharded_load.meta_transformer(model_dir, torch.float32)
     transformer.extra = torch.nn.Linear(2, 2, device="meta")
     with pytest.raises(ModelLoadError, match=r"extra.weight is not in its checkpoint"):
