@@ -1,8 +1,11 @@
-"""Shared pieces of the tests: THE tiny random FLUX every test loads (saved to disk), a toy
-reward, a trainer config."""
+"""Shared pieces of the tests: THE tiny random FLUX every test loads (saved to disk; the
+`tiny_flux` fixtures of conftest.py build it once per test run), toy rewards registered for a
+test's duration, a trainer config."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -10,7 +13,7 @@ import torch
 from chunk_grpo.config.parsing import build_config
 from chunk_grpo.models import SamplingDefaults
 from chunk_grpo.models.tiny import build_tiny_flux_pipeline
-from chunk_grpo.rewards import register_reward
+from chunk_grpo.rewards import available_rewards, register_reward, unregister_reward
 from chunk_grpo.shapes import VOCABULARY
 
 TINY_SIZES = dict(num_layers=1, num_single_layers=1, num_attention_heads=2,
@@ -31,7 +34,9 @@ def save_tiny_flux(directory: Path, vocabulary: list[str], *, seed: int = 0,
 
 def tiny_model_dir(root: Path, seed: int = 0) -> Path:
     """A random tiny FLUX with the shapes vocabulary (32x32 images, 16 latent tokens of 16
-    channels) and TINY_DEFAULTS saved as a diffusers directory; built once per root and seed."""
+    channels) and TINY_DEFAULTS saved as a diffusers directory; built once per root and seed.
+    Tests take it from the session fixtures `tiny_flux` / `tiny_flux_seed` instead of building
+    their own."""
     path = root / f"tiny-flux-{seed}"
     if not path.exists():
         pipe = build_tiny_flux_pipeline(VOCABULARY, seed=seed, **TINY_SIZES)
@@ -47,10 +52,21 @@ class Brightness:
         return images.float().mean(dim=(1, 2, 3))
 
 
-try:
-    register_reward("test_brightness")(Brightness)
-except ValueError:  # already registered by another test module
-    pass
+@contextmanager
+def registered_rewards(**factories: Callable) -> Iterator[None]:
+    """The rewards ``name=factory`` registered inside the block and unregistered after it, so a
+    test sees exactly the toy rewards it asked for, whatever ran before it."""
+    done = []
+    try:
+        for name, factory in factories.items():
+            fresh = name not in available_rewards()
+            register_reward(name)(factory)  # refuses a name taken by another factory
+            if fresh:  # an enclosing block registered it already: it unregisters it
+                done.append(name)
+        yield
+    finally:
+        for name in done:
+            unregister_reward(name)
 
 
 def tiny_config(model_dir: Path, out_dir: Path, overrides: dict | None = None):

@@ -19,6 +19,7 @@ from chunk_grpo.rewards.registry import (
     available_rewards,
     get_reward,
     register_reward,
+    unregister_reward,
 )
 from chunk_grpo.rewards.remote import RemoteReward  # registers "remote" (remote:URL)
 from chunk_grpo.rewards.shapes_clip import SHAPES_CLIP_DIR, shapes_clip  # registers "shapes-clip"
@@ -29,4 +30,5 @@ __all__ = ["SHAPES_CLIP_DIR", "AestheticScore", "ClipScore", "HPSv2Score", "HPSv
            "JpegCompressibility", "JpegIncompressibility", "PickScore", "RemoteReward", "Reward",
            "RewardError", "RewardLoadError", "RewardMix", "RewardOutputError",
            "RewardUnavailableError", "ShapesReward", "VLMJudge", "available_rewards",
-           "build_reward", "get_reward", "register_reward", "shapes_clip"]
+           "build_reward", "get_reward", "register_reward", "shapes_clip",
+           "unregister_reward"]

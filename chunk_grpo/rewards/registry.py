@@ -57,6 +57,15 @@ def register_reward(name: str) -> Callable[[Callable[..., Reward]], Callable[...
     return decorate
 
 
+def unregister_reward(name: str) -> None:
+    """Remove the reward registered as `name` (e.g. a reward registered only for a test or a
+    notebook cell), so the name can be registered again with another factory."""
+    if name not in _FACTORIES:
+        raise UnknownRewardError(f"cannot unregister reward {name!r}: it is not registered; "
+                                 f"available: {available_rewards()}")
+    del _FACTORIES[name]
+
+
 def available_rewards() -> list[str]:
     return sorted(_FACTORIES)
 

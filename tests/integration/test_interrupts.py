@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from trainer_utils import tiny_config, tiny_model_dir
+from trainer_utils import tiny_config
 
 from chunk_grpo.cli.runner import run_command
 from chunk_grpo.rewards.scoring import RewardTimeoutError
@@ -49,11 +49,12 @@ def blocking_reward(tmp_path, monkeypatch):
     return "blocking_reward:blocks"
 
 
-def test_a_reward_past_its_timeout_stops_the_run_in_one_line(tmp_path, capsys, blocking_reward):
-    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", {"reward.name": blocking_reward,
-                                                                   "reward.timeout": 0.5,
-                                                                   "run.max_steps": 3,
-                                                                   "run.checkpoint_every": 1})
+def test_a_reward_past_its_timeout_stops_the_run_in_one_line(tiny_flux, tmp_path, capsys,
+                                                             blocking_reward):
+    cfg = tiny_config(tiny_flux, tmp_path / "run", {"reward.name": blocking_reward,
+                                                    "reward.timeout": 0.5,
+                                                    "run.max_steps": 3,
+                                                    "run.checkpoint_every": 1})
     capsys.readouterr()
     start = time.monotonic()
     with pytest.raises(SystemExit) as stop:
@@ -69,18 +70,17 @@ def test_a_reward_past_its_timeout_stops_the_run_in_one_line(tmp_path, capsys, b
 @pytest.mark.slow  # a real process: start-up and one iteration
 @pytest.mark.parametrize("sig, status, what", [(signal.SIGINT, 130, "Ctrl-C"),
                                                (signal.SIGTERM, 143, "SIGTERM")])
-def test_a_signal_while_a_reward_blocks_exits_at_once(tmp_path, sig, status, what):
+def test_a_signal_while_a_reward_blocks_exits_at_once(tiny_flux, tmp_path, sig, status, what):
     (tmp_path / "blocking_reward.py").write_text(MODULE)
     out, marker = tmp_path / "run", tmp_path / "blocking"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)]),
            "OMP_NUM_THREADS": "1", "BLOCK_MARKER": str(marker)}
-    args = ["--model.name", str(tiny_model_dir(tmp_path)), "--reward.name",
-            "blocking_reward:blocks", "--run.output_dir", str(out), "--sampling.steps", "5",
-            "--sampling.group_size", "4", "--sampling.prompts_per_step", "2", "--chunks.spec",
-            "2,2", "--run.max_steps", "5", "--run.checkpoint_every", "1", "--eval.hybrid_steps",
-            "0", "--eval.every", "0", "--run.progress", "false", "--model.lora_rank", "0",
-            "--model.mixed_precision", "no", "--run.max_minutes", "0", "--sampling.sde_window",
-            "0"]
+    args = ["--model.name", str(tiny_flux), "--reward.name", "blocking_reward:blocks",
+            "--run.output_dir", str(out), "--sampling.steps", "5", "--sampling.group_size", "4",
+            "--sampling.prompts_per_step", "2", "--chunks.spec", "2,2", "--run.max_steps", "5",
+            "--run.checkpoint_every", "1", "--eval.hybrid_steps", "0", "--eval.every", "0",
+            "--run.progress", "false", "--model.lora_rank", "0", "--model.mixed_precision", "no",
+            "--run.max_minutes", "0", "--sampling.sde_window", "0"]
     proc = subprocess.Popen([sys.executable, "-m", "chunk_grpo.train", *args], cwd=tmp_path,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 180

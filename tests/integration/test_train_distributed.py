@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from trainer_utils import tiny_config, tiny_model_dir
+from trainer_utils import tiny_config
 
 from chunk_grpo.config.parsing import save_config
 
@@ -72,9 +72,9 @@ def _assert_same_run(ours: Path, reference: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tiny_flux, tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
-    model = tiny_model_dir(root)
+    model = tiny_flux
     save_config(_config(model, root / "one", overrides={"sampling.prompts_per_step": 4}),
                 root / "one.yaml")
     _train(1, "--config", str(root / "one.yaml"))  # 16 rows, 1 process

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from trainer_utils import tiny_config, tiny_model_dir, without_times
+from trainer_utils import tiny_config, without_times
 
 from chunk_grpo.cli import evaluate as evaluate_cli
 from chunk_grpo.cli.runner import run_command
@@ -14,7 +14,6 @@ from chunk_grpo.config.errors import ConfigError
 from chunk_grpo.config.parsing import load_saved_config
 from chunk_grpo.models import FluxPolicy
 from chunk_grpo.models.loading import ModelLoadError
-from chunk_grpo.rewards import register_reward
 from chunk_grpo.runtime.distributed import init_distributed
 from chunk_grpo.train.checkpoint import latest_checkpoint
 from chunk_grpo.train.loop import TrainingDiverged, run
@@ -34,14 +33,15 @@ class NanAfterFirst:
         return r if NanAfterFirst.calls <= 2 else r * float("nan")
 
 
-try:
-    register_reward("test_nan_after_first")(NanAfterFirst)
-except ValueError:
-    pass
+@pytest.fixture(autouse=True)
+def toy_rewards(register_test_reward, brightness_reward):
+    """This module's toy rewards, registered for each of its tests."""
+    register_test_reward("test_nan_after_first", NanAfterFirst)
+    register_test_reward("test_falling_guard", FallingGuard)
 
 
-def test_cli_two_steps_auto_chunks_and_export(tmp_path):
-    model = tiny_model_dir(tmp_path)
+def test_cli_two_steps_auto_chunks_and_export(tiny_flux, tmp_path):
+    model = tiny_flux
     out = tmp_path / "run"
     main(["--model.name", str(model), "--reward.name", "test_brightness", "--run.output_dir",
           str(out), "--sampling.steps", "6", "--sampling.group_size", "4",
@@ -109,7 +109,7 @@ def test_cli_two_steps_auto_chunks_and_export(tmp_path):
 
 
 @pytest.mark.slow  # two CLI processes (train, then resume): ~50 s on a loaded 2-core CPU
-def test_cli_trains_on_a_users_reward_module_and_resumes_with_it(tmp_path, monkeypatch):
+def test_cli_trains_on_a_users_reward_module_and_resumes_with_it(tiny_flux, tmp_path, monkeypatch):
     (tmp_path / "user_rewards_e2e.py").write_text(
         "from chunk_grpo.rewards import register_reward\n\n\n"
         "@register_reward('test_user_darkness')\n"
@@ -117,12 +117,11 @@ def test_cli_trains_on_a_users_reward_module_and_resumes_with_it(tmp_path, monke
         "    return lambda images, prompts: 1.0 - images.float().mean(dim=(1, 2, 3))\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     out = tmp_path / "run"
-    common = ["--model.name", str(tiny_model_dir(tmp_path)), "--run.output_dir", str(out),
-              "--sampling.steps", "4", "--sampling.group_size", "2",
-              "--sampling.prompts_per_step", "2", "--optim.micro_batch_size", "4",
-              "--chunks.spec", "3", "--sampling.sde_window", "3", "--eval.every", "0",
-              "--run.image_grid_every", "0", "--run.progress", "false", "--run.checkpoint_every",
-              "1", "--eval.hybrid_steps", "2"]
+    common = ["--model.name", str(tiny_flux), "--run.output_dir", str(out), "--sampling.steps",
+              "4", "--sampling.group_size", "2", "--sampling.prompts_per_step", "2",
+              "--optim.micro_batch_size", "4", "--chunks.spec", "3", "--sampling.sde_window", "3",
+              "--eval.every", "0", "--run.image_grid_every", "0", "--run.progress", "false",
+              "--run.checkpoint_every", "1", "--eval.hybrid_steps", "2"]
     main([*common, "--reward.name", "user_rewards_e2e:test_user_darkness", "--run.max_steps", "1"])
     assert load_saved_config(out / "config.yaml").get("reward") == (
         "user_rewards_e2e:test_user_darkness")
@@ -131,23 +130,23 @@ def test_cli_trains_on_a_users_reward_module_and_resumes_with_it(tmp_path, monke
     assert [r["step"] for r in records] == [1, 2] and 0.0 < records[1]["reward_mean"] < 1.0
 
 
-def test_hybrid_steps_beyond_the_evaluation_steps_fail_before_training(tmp_path):
+def test_hybrid_steps_beyond_the_evaluation_steps_fail_before_training(tiny_flux, tmp_path):
     # The tiny model samples evaluations in 5 steps; the default eval_hybrid_steps is 8.
-    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", {"eval.hybrid_steps": 8})
+    cfg = tiny_config(tiny_flux, tmp_path / "run", {"eval.hybrid_steps": 8})
     with pytest.raises(ConfigError, match="eval_hybrid_steps=8 exceeds the 5 steps"):
         run(cfg)
     assert not (tmp_path / "run").exists()
 
 
-def test_a_misspelt_reward_or_missing_model_fails_first_and_leaves_no_run_directory(tmp_path,
-                                                                                      capsys):
-    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", {"reward.name": "test_brightnes"})
+def test_a_misspelt_reward_or_missing_model_fails_first_and_leaves_no_run_directory(
+        tiny_flux, tmp_path, capsys):
+    cfg = tiny_config(tiny_flux, tmp_path / "run", {"reward.name": "test_brightnes"})
     capsys.readouterr()  # the tiny model's save progress bars
     with pytest.raises(ConfigError, match="unknown reward 'test_brightnes' \\(did you mean "
                                           "'test_brightness'\\?\\)"):
         run(cfg)
     assert not (tmp_path / "run").exists()
-    odd = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", {"model.height": 63})
+    odd = tiny_config(tiny_flux, tmp_path / "run", {"model.height": 63})
     with pytest.raises(ConfigError, match="height and width must be multiples of 8, got 63x32"):
         run(odd)
     assert not (tmp_path / "run").exists()
@@ -168,9 +167,9 @@ def test_a_misspelt_reward_or_missing_model_fails_first_and_leaves_no_run_direct
     assert not (tmp_path / "run2").exists()  # the model is loaded before the run directory
 
 
-def test_nonfinite_rewards_skip_steps_then_stop(tmp_path):
+def test_nonfinite_rewards_skip_steps_then_stop(tiny_flux, tmp_path):
     NanAfterFirst.calls = 0
-    model = tiny_model_dir(tmp_path)
+    model = tiny_flux
     cfg = tiny_config(model, tmp_path / "run", {"reward.name": "test_nan_after_first",
                                                 "run.max_steps": 6,
                                                 "run.checkpoint_every": 1,
@@ -184,8 +183,8 @@ def test_nonfinite_rewards_skip_steps_then_stop(tmp_path):
     assert latest_checkpoint(tmp_path / "run").name == "step-00000001"  # the last good one
 
 
-def test_lora_with_reference_kl_and_merged_export(tmp_path):
-    model = tiny_model_dir(tmp_path)
+def test_lora_with_reference_kl_and_merged_export(tiny_flux, tmp_path):
+    model = tiny_flux
     cfg = tiny_config(model, tmp_path / "run", {"run.max_steps": 1, "model.lora_rank": 4,
                                                 "loss.kl_coef": 0.1,
                                                 "loss.kl_ref": "reference",
@@ -217,11 +216,10 @@ def test_lora_with_reference_kl_and_merged_export(tmp_path):
     assert not torch.allclose(v_base, v_lora, atol=1e-5)  # the adapters did learn something
 
 
-def test_eval_gain_vs_base_is_exactly_zero_before_training(tmp_path):
+def test_eval_gain_vs_base_is_exactly_zero_before_training(tiny_flux, tmp_path):
     # LoRA starts with B = 0: the policy samples the base's images bit for bit.
-    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", {"model.lora_rank": 4,
-                                                                   "eval.hybrid_steps": 2,
-                                                                   "eval.images": 3})
+    cfg = tiny_config(tiny_flux, tmp_path / "run", {"model.lora_rank": 4, "eval.hybrid_steps": 2,
+                                                    "eval.images": 3})
     tr = build_trainer(cfg, tmp_path / "run", init_distributed("cpu"))
     out = evaluate(tr, 0)
     assert out["eval/gain_vs_base"] == 0.0 and out["eval_hybrid/gain_vs_base"] == 0.0
@@ -247,13 +245,10 @@ class FallingGuard:
         return images.float().mean(dim=(1, 2, 3)) - (0.5 if FallingGuard.falling else 0.0)
 
 
-try:
-    register_reward("test_falling_guard")(FallingGuard)
-except ValueError:
-    pass
 
 
-def test_a_guard_that_falls_beyond_eval_guard_stop_ends_the_run_cleanly(tmp_path, capsys):
+def test_a_guard_that_falls_beyond_eval_guard_stop_ends_the_run_cleanly(tiny_flux, tmp_path,
+                                                                        capsys):
     FallingGuard.falling = False
 
     def fall_after_step_1(step, metrics):
@@ -261,14 +256,12 @@ def test_a_guard_that_falls_beyond_eval_guard_stop_ends_the_run_cleanly(tmp_path
 
     # The base is evaluated at step 1 (before the fall) and cached; at step 2 the policy's guard
     # is 0.5 below it on all 4 images: the CI (width 0) lies below -0.1, so the run stops.
-    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", {"run.max_steps": 6,
-                                                                   "eval.every": 1,
-                                                                   "eval.hybrid_steps": 2,
-                                                                   "eval.images": 4,
-                                                                   "eval.final_images": 4,
-                                                                   "eval.guard_reward":
-                                                                   "test_falling_guard",
-                                                                   "eval.guard_stop": 0.1})
+    cfg = tiny_config(tiny_flux, tmp_path / "run", {"run.max_steps": 6, "eval.every": 1,
+                                                    "eval.hybrid_steps": 2,
+                                                    "eval.images": 4,
+                                                    "eval.final_images": 4,
+                                                    **{"eval.guard_reward": "test_falling_guard",
+                                                       "eval.guard_stop": 0.1}})
     try:
         out = run(cfg, on_step_end=fall_after_step_1)
     finally:
@@ -297,10 +290,10 @@ def test_a_guard_that_falls_beyond_eval_guard_stop_ends_the_run_cleanly(tmp_path
     assert (out / "final_model" / "model_index.json").is_file()
 
 
-def test_the_guard_changes_nothing_the_run_trains(tmp_path):
+def test_the_guard_changes_nothing_the_run_trains(tiny_flux, tmp_path):
     """Scoring a guard (here the shapes checks) on the rollouts draws no random number the
     training uses: every trained metric is the same, bit for bit, with the guard on or off."""
-    model = tiny_model_dir(tmp_path)
+    model = tiny_flux
     runs = {}
     for guard in ("none", "shapes"):
         out = run(tiny_config(model, tmp_path / guard, {"run.max_steps": 3,
@@ -315,10 +308,10 @@ def test_the_guard_changes_nothing_the_run_trains(tmp_path):
     assert trained == without_times(runs["none"])
 
 
-def test_a_guard_that_cannot_score_the_training_prompts(tmp_path, capsys):
+def test_a_guard_that_cannot_score_the_training_prompts(tiny_flux, tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a purple dog\na moon over a lake\n")
-    model = tiny_model_dir(tmp_path)
+    model = tiny_flux
     # named in eval.guard_reward: an error before the run directory exists
     named = tiny_config(model, tmp_path / "named", {"data.train_prompts": str(prompts),
                                                     **{"eval.guard_reward": "shapes"}})

@@ -7,11 +7,10 @@ make the first test fail and the second pass the other way round.
 
 import pytest
 import torch
-from trainer_utils import tiny_config, tiny_model_dir
+from trainer_utils import tiny_config
 
 from chunk_grpo.evaluate.evaluation import evaluate_policy
 from chunk_grpo.models import FluxPolicy
-from chunk_grpo.rewards import register_reward
 from chunk_grpo.shapes import HELDOUT_PROMPTS_FILE, load_prompts
 from chunk_grpo.train.loop import run
 from chunk_grpo.train.metrics import read_metrics
@@ -24,10 +23,10 @@ class Darkness:
         return 1.0 - images.float().mean(dim=(1, 2, 3))
 
 
-try:
-    register_reward("test_darkness")(Darkness)
-except ValueError:
-    pass
+@pytest.fixture(autouse=True)
+def toy_rewards(register_test_reward, brightness_reward):
+    """test_brightness and test_darkness, registered for each test."""
+    register_test_reward("test_darkness", Darkness)
 
 # Held-out prompts the run never trains on, two ODE images each: the paired change in mean
 # brightness of the same initial noise before and after training.
@@ -50,8 +49,9 @@ def _mean(values: list[float]) -> float:
 @pytest.mark.parametrize("reward, sign, algorithm", [
     ("test_brightness", 1.0, "chunk_grpo"), ("test_darkness", -1.0, "chunk_grpo"),
     ("test_brightness", 1.0, "g2rpo")])
-def test_training_moves_held_out_images_the_rewarded_way(tmp_path, reward, sign, algorithm):
-    model = tiny_model_dir(tmp_path)
+def test_training_moves_held_out_images_the_rewarded_way(tiny_flux, tmp_path, reward, sign,
+                                                         algorithm):
+    model = tiny_flux
     # Full fine-tuning (the tiny random model's brightness hardly depends on its attention, so
     # attention LoRA would learn too slowly for a test), every step stochastic, all chunks.
     run(tiny_config(model, tmp_path / "run", {"reward.name": reward, "run.max_steps": 16,

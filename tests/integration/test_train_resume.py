@@ -6,18 +6,20 @@ import json
 
 import pytest
 import torch
-from trainer_utils import Killed, tiny_config, tiny_model_dir, without_times
+from trainer_utils import Killed, tiny_config, without_times
 
 from chunk_grpo.config.schema import PATHS
 from chunk_grpo.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from chunk_grpo.train.loop import run
 from chunk_grpo.train.metrics import read_metrics
 
+# tiny_config's default reward, registered for each test
+pytestmark = pytest.mark.usefixtures("brightness_reward")
 
-def _straight_and_resumed(tmp_path, overrides: dict) -> None:
+
+def _straight_and_resumed(model, tmp_path, overrides: dict) -> None:
     """An uninterrupted 4-step run and one killed after step 3 (checkpoint at 2) then resumed
     give the same metrics (without times), weights, EMA and schedule, bit for bit."""
-    model = tiny_model_dir(tmp_path)
     straight = run(tiny_config(model, tmp_path / "a", overrides))
 
     def kill_at_3(step, metrics):
@@ -51,21 +53,21 @@ RESUMED = {"run.max_steps": 4, "run.checkpoint_every": 2, "eval.every": 2, "opti
            "optim.ema_decay": 0.5, "optim.lr": 3e-3}
 
 
-def test_resume_matches_an_uninterrupted_run(tmp_path):
-    _straight_and_resumed(tmp_path, overrides={"chunks.spec": "1,1,2", **RESUMED})
+def test_resume_matches_an_uninterrupted_run(tiny_flux, tmp_path):
+    _straight_and_resumed(tiny_flux, tmp_path, overrides={"chunks.spec": "1,1,2", **RESUMED})
 
 
-def test_bf16_resume_matches_an_uninterrupted_run(tmp_path):
+def test_bf16_resume_matches_an_uninterrupted_run(tiny_flux, tmp_path):
     """bf16 autocast with LoRA and the auto chunk layout: the uninterrupted run measures the
     temporal profile (a sampling pass of its own) before step 1, the resumed one reads the
     layout from its checkpoint, so the first transformer call under autocast differs. What
     either run caches at its first call (the unconditional prompt's embedding) must not depend
     on which call that was (true CFG: every call also runs the unconditional prompt)."""
-    _straight_and_resumed(tmp_path, overrides={"chunks.spec": "auto",
-                                               "model.mixed_precision": "bf16",
-                                               "model.lora_rank": 4,
-                                               "sampling.cfg_scale": 3.0,
-                                               **RESUMED})
+    _straight_and_resumed(tiny_flux, tmp_path, overrides={"chunks.spec": "auto",
+                                                          "model.mixed_precision": "bf16",
+                                                          "model.lora_rank": 4,
+                                                          "sampling.cfg_scale": 3.0,
+                                                          **RESUMED})
 
 
 def test_checkpoints_are_atomic_and_pruned(tmp_path):
@@ -82,13 +84,13 @@ def test_checkpoints_are_atomic_and_pruned(tmp_path):
         load_checkpoint(tmp_path / "nothing")
 
 
-def test_resume_flag_continues_the_saved_run(tmp_path):
+def test_resume_flag_continues_the_saved_run(tiny_flux, tmp_path):
     """`python -m chunk_grpo.train --resume DIR --max-steps N`: the saved config is the base,
     flags override it, and the run carries on from its last checkpoint."""
     from chunk_grpo.cli.train import main
     from chunk_grpo.config.errors import ConfigError
 
-    model = tiny_model_dir(tmp_path)
+    model = tiny_flux
     first = run(tiny_config(model, tmp_path / "run", {"run.max_steps": 2,
                                                       "run.checkpoint_every": 1}))
     assert latest_checkpoint(first).name == "step-00000002"
@@ -112,11 +114,12 @@ def _files(run_dir):
 FINISHING = {"run.max_steps": 2, "run.checkpoint_every": 1, "eval.hybrid_steps": 2}
 
 
-def test_resuming_a_finished_run_changes_nothing_unless_max_steps_is_raised(tmp_path, capsys):
+def test_resuming_a_finished_run_changes_nothing_unless_max_steps_is_raised(tiny_flux, tmp_path,
+                                                                            capsys):
     from chunk_grpo.cli.runner import run_command
     from chunk_grpo.cli.train import main
 
-    out = run(tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", FINISHING))
+    out = run(tiny_config(tiny_flux, tmp_path / "run", FINISHING))
     summary = (out / "summary.txt").read_text()
     assert "updates   2 optimizer steps, 0 skipped" in summary  # one per iteration
     assert set(json.loads((out / "summary.json").read_text())) == {
@@ -143,16 +146,16 @@ def test_resuming_a_finished_run_changes_nothing_unless_max_steps_is_raised(tmp_
         "step": 3, "summary": True, "final_model": True}
 
 
-def test_max_steps_0_on_a_fresh_run_is_refused_before_the_run_directory(tmp_path):
+def test_max_steps_0_on_a_fresh_run_is_refused_before_the_run_directory(tiny_flux, tmp_path):
     from chunk_grpo.config.errors import ConfigError
 
     with pytest.raises(ConfigError, match="max_steps is 0"):
-        run(tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", {"run.max_steps": 0}))
+        run(tiny_config(tiny_flux, tmp_path / "run", {"run.max_steps": 0}))
     assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("killed_in", ["export_final", "finish_summary"])
-def test_a_kill_while_finishing_keeps_the_comparison(tmp_path, monkeypatch, killed_in):
+def test_a_kill_while_finishing_keeps_the_comparison(tiny_flux, tmp_path, monkeypatch, killed_in):
     """Killed during the export the summary is kept; killed before it, the resume redoes the
     final evaluation and writes the same comparison the run logged."""
     import chunk_grpo.train.run_eval as trainer_eval
@@ -160,7 +163,7 @@ def test_a_kill_while_finishing_keeps_the_comparison(tmp_path, monkeypatch, kill
     def killed(*args, **kwargs):
         raise Killed
 
-    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", FINISHING)
+    cfg = tiny_config(tiny_flux, tmp_path / "run", FINISHING)
     monkeypatch.setattr(trainer_eval, killed_in, killed)
     with pytest.raises(Killed):
         run(cfg)
@@ -181,12 +184,11 @@ def test_a_kill_while_finishing_keeps_the_comparison(tmp_path, monkeypatch, kill
     assert json.loads((out / "finished.json").read_text())["final_model"] is True
 
 
-def test_a_run_diverging_at_once_fails_with_the_cause(tmp_path):
+def test_a_run_diverging_at_once_fails_with_the_cause(tiny_flux, tmp_path):
     """--eta 1e6: the rollouts (so the rewards) and the loss are NaN from the first step."""
     from chunk_grpo.train.loop import NothingTrained
 
-    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", {"run.max_steps": 1,
-                                                                   "sampling.eta": 1e6})
+    cfg = tiny_config(tiny_flux, tmp_path / "run", {"run.max_steps": 1, "sampling.eta": 1e6})
     with pytest.raises(NothingTrained, match=r"no optimizer step in 1 iteration\(s\): the "
                                              r"(rewards|loss or gradient) were NaN/Inf"):
         run(cfg)
@@ -194,12 +196,12 @@ def test_a_run_diverging_at_once_fails_with_the_cause(tmp_path):
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
-def test_keys_that_cannot_change_on_resume_are_refused_in_one_line(tmp_path, capsys):
+def test_keys_that_cannot_change_on_resume_are_refused_in_one_line(tiny_flux, tmp_path, capsys):
     from chunk_grpo.cli.runner import run_command
     from chunk_grpo.cli.train import main
 
-    out = run(tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", {"run.max_steps": 1,
-                                                                       "run.checkpoint_every": 1}))
+    out = run(tiny_config(tiny_flux, tmp_path / "run", {"run.max_steps": 1,
+                                                        "run.checkpoint_every": 1}))
     before = _files(out)
 
     def refused(*flags) -> str:
@@ -219,12 +221,12 @@ def test_keys_that_cannot_change_on_resume_are_refused_in_one_line(tmp_path, cap
     assert "its config.yaml is empty" in refused()
 
 
-def test_settings_changed_on_resume_are_applied_and_listed(tmp_path, capsys):
+def test_settings_changed_on_resume_are_applied_and_listed(tiny_flux, tmp_path, capsys):
     from chunk_grpo.cli.train import main
 
-    out = run(tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", {"run.max_steps": 2,
-                                                                       "run.checkpoint_every": 1,
-                                                                       "optim.lr": 1e-3}))
+    out = run(tiny_config(tiny_flux, tmp_path / "run", {"run.max_steps": 2,
+                                                        "run.checkpoint_every": 1,
+                                                        "optim.lr": 1e-3}))
     capsys.readouterr()
     main(["--resume", str(out), "--run.max_steps", "3", "--optim.lr", "5e-4",
           "--optim.weight_decay", "0.1"])

@@ -4,7 +4,7 @@ resume equivalence)."""
 
 import pytest
 import torch
-from trainer_utils import Killed, tiny_config, tiny_model_dir, without_times
+from trainer_utils import Killed, tiny_config, without_times
 
 import grpo_kernels
 from chunk_grpo.algorithm.advantages import group_advantages, multi_granularity_advantages
@@ -21,17 +21,20 @@ from chunk_grpo.train.loop import run, train_iteration
 from chunk_grpo.train.metrics import read_metrics
 from chunk_grpo.train.setup import build_trainer, optimizer_steps_per_iter
 
+# tiny_config's default reward, registered for each test
+pytestmark = pytest.mark.usefixtures("brightness_reward")
+
 PROMPTS = ["a red circle", "two blue squares", "one green triangle"]
 KW = dict(group_size=4, num_steps=5, shift=3.0, kind="flow", eta=0.7)
 
 
 @pytest.fixture(scope="module")
-def policy(tmp_path_factory):
-    return FluxPolicy.from_pretrained(tiny_model_dir(tmp_path_factory.mktemp("m")))
+def policy(tiny_flux):
+    return FluxPolicy.from_pretrained(tiny_flux)
 
 
 def _sample(policy, branch_step, seed=0, **overrides):
-    settings = RolloutSettings(**{**KW, "run.seed": seed, **overrides})
+    settings = RolloutSettings(**{**KW, "seed": seed, **overrides})
     return sample_branch_rollouts(policy, PROMPTS, settings, branch_step=branch_step,
                                   granularities=(1, 2))
 
@@ -134,12 +137,12 @@ def test_config_errors(tmp_path):
         tiny_config(tmp_path, tmp_path / "r", {"sampling.algorithm": "grpo2"})
 
 
-def test_trainer_runs_g2rpo_on_policy_and_resumes_exactly(tmp_path):
-    model = tiny_model_dir(tmp_path)
+def test_trainer_runs_g2rpo_on_policy_and_resumes_exactly(tiny_flux, tmp_path):
+    model = tiny_flux
     settings = {"sampling.algorithm": "g2rpo", "sampling.shared_noise": True,
                 "sampling.g2rpo_granularities": "1,3", "run.max_steps": 3,
                 "run.checkpoint_every": 1, "optim.lr": 3e-3}
-    straight = run(tiny_config(model, tmp_path / "a", **settings))
+    straight = run(tiny_config(model, tmp_path / "a", settings))
     records = read_metrics(straight / "metrics.jsonl")
     for r in records:
         assert r["ratio_mean"] == 1.0  # one optimizer step per iteration: exactly on-policy
@@ -152,21 +155,21 @@ def test_trainer_runs_g2rpo_on_policy_and_resumes_exactly(tmp_path):
             raise Killed
 
     with pytest.raises(Killed):
-        run(tiny_config(model, tmp_path / "b", **settings), on_step_end=kill_at_2)
-    resumed = run(tiny_config(model, tmp_path / "b", **settings), run_dir=tmp_path / "b",
+        run(tiny_config(model, tmp_path / "b", settings), on_step_end=kill_at_2)
+    resumed = run(tiny_config(model, tmp_path / "b", settings), run_dir=tmp_path / "b",
                   resume=True)
     assert without_times(read_metrics(resumed / "metrics.jsonl")) == without_times(records)
 
 
-def test_g2rpo_schedule_counts_the_optimizer_steps_it_takes(tmp_path):
+def test_g2rpo_schedule_counts_the_optimizer_steps_it_takes(tiny_flux, tmp_path):
     """The schedule's length and the loop count optimizer steps the same way: G2RPO trains one
     step-level chunk, so with grad_accum 1 an iteration takes one step per micro-batch (not per
     chunk of the layout), and a cosine schedule ends exactly at the last step."""
-    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", {"sampling.algorithm": "g2rpo",
-                                                                   "sampling.shared_noise": True,
-                                                                   "optim.grad_accum": 1,
-                                                                   "optim.schedule": "cosine",
-                                                                   "run.max_steps": 1})
+    cfg = tiny_config(tiny_flux, tmp_path / "run", {"sampling.algorithm": "g2rpo",
+                                                    "sampling.shared_noise": True,
+                                                    "optim.grad_accum": 1,
+                                                    "optim.schedule": "cosine",
+                                                    "run.max_steps": 1})
     tr = build_trainer(cfg, tmp_path / "run", D.DistInfo())
     per_iteration = optimizer_steps_per_iter(cfg)
     assert per_iteration == 2  # 8 rows in micro-batches of 4

@@ -4,7 +4,6 @@ sampled at once."""
 
 import pytest
 import torch
-from trainer_utils import tiny_model_dir
 
 from chunk_grpo.algorithm.branching import sample_branch_rollouts
 from chunk_grpo.algorithm.noise import check_row_offset, image_generator, initial_noise, step_noise
@@ -12,14 +11,17 @@ from chunk_grpo.algorithm.rollout import RolloutSettings, generate, sample_rollo
 from chunk_grpo.evaluate.evaluation import evaluate_policy
 from chunk_grpo.models import FluxPolicy
 
+# tiny_config's default reward, registered for each test
+pytestmark = pytest.mark.usefixtures("brightness_reward")
+
 PROMPTS = ["a red circle", "two blue squares", "three green triangles", "a yellow square"]
 ROLLOUT = dict(num_steps=3, shift=3.0, kind="flow", eta=0.7, seed=5, batch_size=4)
 STEP = 7
 
 
 @pytest.fixture(scope="module")
-def policy(tmp_path_factory):
-    return FluxPolicy.from_pretrained(tiny_model_dir(tmp_path_factory.mktemp("m")))
+def policy(tiny_flux):
+    return FluxPolicy.from_pretrained(tiny_flux)
 
 
 def _assert_same_rows(whole, parts):

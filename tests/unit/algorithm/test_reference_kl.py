@@ -4,7 +4,7 @@ transformer. Its log-probs are the base model's exactly, and the KL term starts 
 
 import pytest
 import torch
-from trainer_utils import tiny_config, tiny_model_dir
+from trainer_utils import tiny_config
 
 from chunk_grpo.algorithm.policy_update import (
     LossSettings,
@@ -20,6 +20,9 @@ from chunk_grpo.runtime import distributed as D
 from chunk_grpo.train.loop import train_iteration
 from chunk_grpo.train.setup import build_trainer, rollout_settings
 
+# tiny_config's default reward, registered for each test
+pytestmark = pytest.mark.usefixtures("brightness_reward")
+
 STEPS = [0, 1, 2, 3]
 
 
@@ -30,8 +33,7 @@ def _logprobs(model, rollout) -> torch.Tensor:
                               eta=0.7, cfg_scale=1.0)
 
 
-def _trainer(tmp_path, overrides: dict):
-    model = tiny_model_dir(tmp_path)
+def _trainer(model, tmp_path, overrides: dict):
     cfg = tiny_config(model, tmp_path / "run", {"loss.kl_ref": "reference", "loss.kl_coef": 0.1,
                                                 "optim.lr": 3e-3,
                                                 **overrides})
@@ -43,8 +45,8 @@ def _rollout(tr):
                            rollout_settings(tr.cfg, tr.policy), step=99)
 
 
-def test_lora_reference_is_the_adapter_disabled_model(tmp_path):
-    _, tr = _trainer(tmp_path, overrides={"model.lora_rank": 4})
+def test_lora_reference_is_the_adapter_disabled_model(tiny_flux, tmp_path):
+    _, tr = _trainer(tiny_flux, tmp_path, overrides={"model.lora_rank": 4})
     assert isinstance(tr.reference, AdaptersDisabled) and tr.base_policy is None
     with torch.no_grad():  # adapters that move the velocity, as after training
         for name, p in tr.policy.transformer.named_parameters():
@@ -61,8 +63,8 @@ def test_lora_reference_is_the_adapter_disabled_model(tmp_path):
     assert not torch.allclose(reference, _logprobs(tr.policy, rollout), atol=1e-4)
 
 
-def test_full_fine_tuning_reference_is_the_untouched_base(tmp_path):
-    model, tr = _trainer(tmp_path, overrides={"model.lora_rank": 0})
+def test_full_fine_tuning_reference_is_the_untouched_base(tiny_flux, tmp_path):
+    model, tr = _trainer(tiny_flux, tmp_path, overrides={"model.lora_rank": 0})
     assert isinstance(tr.reference, FrozenTransformerBase) and tr.base_policy is None
     base = FluxPolicy.from_pretrained(model)  # never trained
     rollout = _rollout(tr)
@@ -76,8 +78,8 @@ def test_full_fine_tuning_reference_is_the_untouched_base(tmp_path):
     assert not torch.equal(_logprobs(tr.policy, rollout), _logprobs(base, rollout))
 
 
-def test_reference_kl_without_a_reference_names_the_fix(tmp_path):
-    _, tr = _trainer(tmp_path, overrides={"model.lora_rank": 0})
+def test_reference_kl_without_a_reference_names_the_fix(tiny_flux, tmp_path):
+    _, tr = _trainer(tiny_flux, tmp_path, overrides={"model.lora_rank": 0})
     rollout = _rollout(tr)
     settings = LossSettings(kind="flow", eta=0.7, cfg_scale=1.0, clip_low=0.2, clip_high=0.2,
                             kl_coef=0.1, kl_ref="reference")

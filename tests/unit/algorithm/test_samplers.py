@@ -4,7 +4,7 @@ gives for the same settings, and scores every granularity."""
 
 import pytest
 import torch
-from trainer_utils import tiny_config, tiny_model_dir
+from trainer_utils import tiny_config
 
 from chunk_grpo.algorithm.branching import sample_branch_rollouts
 from chunk_grpo.algorithm.chunking import ChunkLayout
@@ -16,10 +16,13 @@ from chunk_grpo.train.setup import build_sampler, resolve_reward, rollout_settin
 
 PROMPTS = ["a red circle", "two blue squares"]
 
+# tiny_config's default reward, registered for each test
+pytestmark = pytest.mark.usefixtures("brightness_reward")
+
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tiny_model_dir(tmp_path_factory.mktemp("m"))
+def model(tiny_flux):
+    path = tiny_flux
     return path, FluxPolicy.from_pretrained(path)
 
 

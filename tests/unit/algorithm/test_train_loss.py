@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-from trainer_utils import tiny_model_dir
 
 from chunk_grpo.algorithm.chunking import ChunkLayout
 from chunk_grpo.algorithm.policy_update import (
@@ -26,8 +25,8 @@ ETA = 0.7
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    policy = FluxPolicy.from_pretrained(tiny_model_dir(tmp_path_factory.mktemp("m")))
+def setup(tiny_flux):
+    policy = FluxPolicy.from_pretrained(tiny_flux)
     rollout = sample_rollouts(policy, ["a red circle", "two blue squares"], RolloutSettings(
         group_size=3, num_steps=5, shift=3.0, kind="flow", eta=ETA, seed=0))
     return policy, rollout

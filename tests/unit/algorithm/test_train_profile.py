@@ -4,7 +4,6 @@ import json
 
 import torch
 from PIL import Image
-from trainer_utils import tiny_model_dir
 
 from chunk_grpo.algorithm.chunking import relative_change
 from chunk_grpo.algorithm.dynamics import measure_dynamics
@@ -14,8 +13,8 @@ from chunk_grpo.cli import profile
 from chunk_grpo.models import FluxPolicy
 
 
-def test_profile_cli(tmp_path, capsys):
-    model = tiny_model_dir(tmp_path)
+def test_profile_cli(tiny_flux, tmp_path, capsys):
+    model = tiny_flux
     out = tmp_path / "prof"
     layout = profile.main(["--model.name", str(model), "--prompts", "3", "--sampling.steps", "8",
                            "--out", str(out)])
@@ -27,8 +26,8 @@ def test_profile_cli(tmp_path, capsys):
     assert Image.open(out / "profile.png").size == (720, 434)  # plot and a one-entry legend
 
 
-def test_measure_dynamics_is_the_mean_relative_change(tmp_path):
-    policy = FluxPolicy.from_pretrained(tiny_model_dir(tmp_path))
+def test_measure_dynamics_is_the_mean_relative_change(tiny_flux, tmp_path):
+    policy = FluxPolicy.from_pretrained(tiny_flux)
     prompts = ["a red circle", "two blue squares", "one green triangle"]
     curve = measure_dynamics(policy, prompts, num_steps=4, shift=3.0, batch_size=2)
     # The same trajectories sampled in one batch, then the formula.

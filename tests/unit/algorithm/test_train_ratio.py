@@ -5,7 +5,6 @@ and training calls."""
 
 import pytest
 import torch
-from trainer_utils import tiny_model_dir
 
 from chunk_grpo.algorithm.chunking import ChunkLayout
 from chunk_grpo.algorithm.policy_update import (
@@ -23,10 +22,10 @@ from chunk_grpo.train.optim import build_optimizer
 
 
 @pytest.fixture(scope="module", params=["full", "lora-nf4"])
-def policy(tmp_path_factory, request):
+def policy(tiny_flux, request):
     """Full fine-tuning, or LoRA on an NF4 base (QLoRA, `chunk_grpo.models.quantize`): rollouts and
     updates compute with the same quantized weights."""
-    policy = FluxPolicy.from_pretrained(tiny_model_dir(tmp_path_factory.mktemp("m")))
+    policy = FluxPolicy.from_pretrained(tiny_flux)
     lora = request.param == "lora-nf4"
     if lora:
         pytest.importorskip("bitsandbytes")

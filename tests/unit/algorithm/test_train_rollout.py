@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from trainer_utils import tiny_model_dir
 
 from chunk_grpo.algorithm.noise import initial_noise, step_noise
 from chunk_grpo.algorithm.rollout import (
@@ -19,8 +18,8 @@ PROMPTS = ["a red circle", "two blue squares", "one green triangle"]
 
 
 @pytest.fixture(scope="module")
-def policies(tmp_path_factory):
-    path = tiny_model_dir(tmp_path_factory.mktemp("m"))
+def policies(tiny_flux):
+    path = tiny_flux
     policy, base = FluxPolicy.from_pretrained(path), FluxPolicy.from_pretrained(path)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():  # a "trained" transformer: same VAE and text encoders, moved weights

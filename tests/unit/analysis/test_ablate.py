@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from trainer_utils import tiny_model_dir
+from trainer_utils import Brightness, registered_rewards
 
 from chunk_grpo.algorithm.chunking import parse_chunk_spec
 from chunk_grpo.analysis import ablate
@@ -16,6 +16,9 @@ from chunk_grpo.cli import ablate as ablate_cli
 from chunk_grpo.cli.runner import run_cli
 from chunk_grpo.config.errors import ConfigError, RunInterrupted
 from chunk_grpo.train.metrics import read_metrics
+
+# tiny_config's default reward, registered for each test
+pytestmark = pytest.mark.usefixtures("brightness_reward")
 
 
 def tiny_base(model_dir, **extra):
@@ -30,16 +33,17 @@ def tiny_base(model_dir, **extra):
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("ablate-model"))
+def model(tiny_flux):
+    return tiny_flux
 
 
 @pytest.fixture(scope="module")
 def finished(model, tmp_path_factory):
     """An uninterrupted two-cell, one-seed ablation of two iterations per run."""
     out = tmp_path_factory.mktemp("ablate") / "out"
-    table = ablate.run_ablation(out, ablate.parse_cells("chunk2,g2rpo"), [0], tiny_base(model),
-                                minutes=0, count=4, progress=False)
+    with registered_rewards(test_brightness=Brightness):
+        table = ablate.run_ablation(out, ablate.parse_cells("chunk2,g2rpo"), [0],
+                                    tiny_base(model), minutes=0, count=4, progress=False)
     return out, table
 
 

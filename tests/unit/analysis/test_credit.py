@@ -2,12 +2,14 @@ import json
 
 import pytest
 import torch
-from trainer_utils import tiny_model_dir
 
 from chunk_grpo.algorithm.dynamics import reward_spread_by_step
 from chunk_grpo.cli.credit import main
 from chunk_grpo.models import FluxPolicy
 from chunk_grpo.rewards import get_reward
+
+# tiny_config's default reward, registered for each test
+pytestmark = pytest.mark.usefixtures("brightness_reward")
 
 PROMPTS = ["a large red circle", "two small blue squares"]
 
@@ -17,8 +19,8 @@ def constant_reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def policy(tmp_path_factory):
-    return FluxPolicy.from_pretrained(tiny_model_dir(tmp_path_factory.mktemp("credit")))
+def policy(tiny_flux):
+    return FluxPolicy.from_pretrained(tiny_flux)
 
 
 def test_spread_per_trained_step_is_deterministic(policy):
@@ -40,8 +42,8 @@ def test_an_image_blind_reward_has_no_spread(policy):
                               group_size=1)
 
 
-def test_cli_writes_the_table(tmp_path, capsys):
-    model = tiny_model_dir(tmp_path)
+def test_cli_writes_the_table(tiny_flux, tmp_path, capsys):
+    model = tiny_flux
     prompts = tmp_path / "p.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n")
     main(["--model", str(model), "--reward", "test_brightness", "--prompts-file", str(prompts),

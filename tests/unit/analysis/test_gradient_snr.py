@@ -2,12 +2,11 @@ import json
 
 import pytest
 import torch
-from trainer_utils import tiny_config, tiny_model_dir
+from trainer_utils import tiny_config
 
 from chunk_grpo.analysis.gradient_snr import iteration_gradients, measure, snr_statistics
 from chunk_grpo.cli.gradient_snr import main
 from chunk_grpo.config.errors import ConfigError
-from chunk_grpo.rewards import register_reward
 from chunk_grpo.runtime import distributed as D
 from chunk_grpo.train.setup import build_trainer
 
@@ -22,10 +21,10 @@ class ImageBlindReward:
         return torch.rand(images.shape[0], generator=self.generator)
 
 
-try:
-    register_reward("test_image_blind")(ImageBlindReward)
-except ValueError:
-    pass
+@pytest.fixture(autouse=True)
+def toy_rewards(register_test_reward, brightness_reward):
+    """This module's toy rewards, registered for each of its tests."""
+    register_test_reward("test_image_blind", ImageBlindReward)
 
 
 def synthetic(k: int, p: int, signal_norm: float, noise_std: float, seed: int = 0):
@@ -59,8 +58,8 @@ def test_statistics_reject_too_few_gradients():
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("snr"))
+def model_dir(tiny_flux):
+    return tiny_flux
 
 
 def test_gradients_leave_the_trainer_as_it_was(model_dir, tmp_path):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_utils import tiny_config, tiny_model_dir
+from trainer_utils import tiny_config
 
 from chunk_grpo.cli.runner import run_command
 from chunk_grpo.cli.train import main
@@ -25,6 +25,9 @@ from chunk_grpo.train.checkpoint import DiskFullError, checkpoint_problem, lates
 from chunk_grpo.train.loop import TrainingDiverged, _checkpoint, run
 from chunk_grpo.train.run_lock import RunLock
 from chunk_grpo.train.setup import build_trainer
+
+# tiny_config's default reward, registered for each test
+pytestmark = pytest.mark.usefixtures("brightness_reward")
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -102,8 +105,8 @@ def test_numeric_fields_are_finite_and_in_range(key, value, message):
 # ----------------------------------------------------------------------------- train, in-process
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("model"))
+def model(tiny_flux):
+    return tiny_flux
 
 
 @pytest.fixture
@@ -214,7 +217,9 @@ def test_ctrl_c_exits_130_naming_a_resumable_checkpoint(tmp_path, model):
             "--run.max_minutes", "0", "--sampling.sde_window", "0"]
     # the test reward lives in the tests: register it in the child before the CLI runs
     code = ("import sys, runpy; from chunk_grpo.runtime.quiet import quiet_third_party; "
-            "quiet_third_party(); sys.path.insert(0, 'tests'); import trainer_utils; "
+            "quiet_third_party(); sys.path.insert(0, 'tests'); "
+            "from trainer_utils import Brightness; from chunk_grpo.rewards import register_reward; "
+            "register_reward('test_brightness')(Brightness); "
             "sys.argv = ['chunk_grpo.train'] + sys.argv[1:]; "
             "runpy.run_module('chunk_grpo.train', run_name='__main__')")
     proc = subprocess.Popen([sys.executable, "-c", code, *args], cwd=ROOT, env=env,

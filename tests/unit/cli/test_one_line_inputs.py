@@ -7,11 +7,14 @@ import errno
 
 import pytest
 from spawn_ranks import run_ranks
-from trainer_utils import tiny_config, tiny_model_dir
+from trainer_utils import tiny_config
 
 from chunk_grpo.cli.runner import _loaded_one_line_errors, run_command
 from chunk_grpo.cli.train import main
 from chunk_grpo.train.loop import run
+
+# tiny_config's default reward, registered for each test
+pytestmark = pytest.mark.usefixtures("brightness_reward")
 
 
 def _one_line(argv: list[str], capsys) -> str:
@@ -55,14 +58,14 @@ def test_contradicting_or_out_of_range_settings_are_refused(tmp_path, capsys, fl
     assert not out.exists()
 
 
-def test_a_full_disk_at_a_mid_run_checkpoint_is_one_line(tmp_path, capsys, monkeypatch):
+def test_a_full_disk_at_a_mid_run_checkpoint_is_one_line(tiny_flux, tmp_path, capsys, monkeypatch):
     import chunk_grpo.train.checkpoint as ckpt
 
     def no_space(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(ckpt.torch, "save", no_space)
-    model, out = tiny_model_dir(tmp_path), tmp_path / "run"
+    model, out = tiny_flux, tmp_path / "run"
     line = _one_line(["--model.name", str(model), "--run.output_dir", str(out), "--run.max_steps",
                       "2", "--run.checkpoint_every", "1", "--sampling.group_size", "2",
                       "--sampling.prompts_per_step", "1", "--eval.images", "2",
@@ -81,14 +84,15 @@ def _parallelism_none(rank: int, world: int, tmp, model) -> str:
     return str(refused.value)
 
 
-def test_parallelism_none_on_two_ranks_is_refused_before_the_model(tmp_path, monkeypatch):
+def test_parallelism_none_on_two_ranks_is_refused_before_the_model(tiny_flux, tmp_path,
+                                                                   monkeypatch):
     from chunk_grpo.train import loop as train
 
     def never(*args, **kwargs):
         raise AssertionError("the model was loaded")
 
     monkeypatch.setattr(train, "build_policy", never)  # inherited by the forked ranks
-    model = tiny_model_dir(tmp_path)
+    model = tiny_flux
     messages = run_ranks(_parallelism_none, 2, tmp_path, model)
     assert messages[0] == messages[1]
     assert messages[0].startswith("parallelism 'none' runs one process, but this job has 2 ranks")

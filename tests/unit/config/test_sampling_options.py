@@ -1,7 +1,6 @@
 """The sampler's named choices exist once: the config, the CLIs and the samplers agree."""
 
 import pytest
-from trainer_utils import tiny_model_dir
 
 import grpo_kernels.validation
 from chunk_grpo.cli.credit import credit_parser
@@ -47,7 +46,7 @@ def test_config_and_command_lines_use_the_same_lists():
     assert tuple(sampler.choices) == SAMPLERS and tuple(kind.choices) == SDE_KINDS
 
 
-def test_cfg_scale_defaults_to_the_models(tmp_path):
-    policy = FluxPolicy.from_pretrained(tiny_model_dir(tmp_path))
+def test_cfg_scale_defaults_to_the_models(tiny_flux):
+    policy = FluxPolicy.from_pretrained(tiny_flux)
     assert resolve_cfg_scale(policy, None) == policy.default_cfg_scale
     assert resolve_cfg_scale(policy, 0.0) == 0.0  # an explicit 0 is not "unset"

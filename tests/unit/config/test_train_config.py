@@ -122,16 +122,15 @@ def test_invalid_values(overrides, match):
         build_config(None, overrides)
 
 
-def test_dynamic_shift_follows_the_token_count(tmp_path):
+def test_dynamic_shift_follows_the_token_count(tiny_flux):
     """dynamic_shift replaces `shift` by FLUX's exp(mu) of the image's latent token count."""
 
-    from trainer_utils import tiny_model_dir
 
     from chunk_grpo.algorithm.sigmas import dynamic_shift
     from chunk_grpo.models import FluxPolicy
     from chunk_grpo.train.setup import sampling_shift
 
-    policy = FluxPolicy.from_pretrained(tiny_model_dir(tmp_path))  # 32x32: a 4x4 token grid
+    policy = FluxPolicy.from_pretrained(tiny_flux)  # 32x32: a 4x4 token grid
     fixed = build_config(None, {"sampling.shift": 2.0})
     assert sampling_shift(fixed, policy) == 2.0
     dyn = build_config(None, {"sampling.shift": 2.0, "sampling.dynamic_shift": True})

@@ -4,7 +4,6 @@ pre-run check refuses a prompt the reward cannot score and notes over-long ones.
 import json
 
 import pytest
-from trainer_utils import tiny_model_dir
 
 from chunk_grpo.config.errors import ConfigError
 from chunk_grpo.data.prompts import (
@@ -121,8 +120,8 @@ def test_saved_dataset_directory_with_split(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def policy(tmp_path_factory):
-    return FluxPolicy.from_pretrained(tiny_model_dir(tmp_path_factory.mktemp("m")))
+def policy(tiny_flux):
+    return FluxPolicy.from_pretrained(tiny_flux)
 
 
 def test_check_refuses_a_prompt_the_reward_cannot_score(tmp_path, policy):

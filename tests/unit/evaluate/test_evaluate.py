@@ -3,7 +3,6 @@ import math
 
 import pytest
 import torch
-from trainer_utils import tiny_model_dir
 
 from chunk_grpo.cli.evaluate import main
 from chunk_grpo.config.errors import ConfigError
@@ -18,8 +17,8 @@ PROMPTS = load_prompts(HELDOUT_PROMPTS_FILE)[:3]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("tiny-flux"))
+def model_dir(tiny_flux):
+    return tiny_flux
 
 
 @pytest.fixture(scope="module")

@@ -3,20 +3,13 @@
 import shutil
 
 import pytest
-from trainer_utils import tiny_model_dir
 
 from chunk_grpo.models import FluxPolicy, ModelLoadError, SamplingDefaults, load_flux_pipeline
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("tiny_flux"))
-
-
-def _copy(model_dir, tmp_path):
-    target = tmp_path / "model"
-    shutil.copytree(model_dir, target)
-    return target
+def model_dir(tiny_flux):
+    return tiny_flux
 
 
 def test_loads_local_directory_as_path_or_string(model_dir, monkeypatch):
@@ -41,8 +34,8 @@ def test_directory_without_pipeline_index(tmp_path):
         load_flux_pipeline(tmp_path)
 
 
-def test_missing_weights_are_reported(model_dir, tmp_path):
-    target = _copy(model_dir, tmp_path)
+def test_missing_weights_are_reported(tiny_flux_copy):
+    target = tiny_flux_copy
     for f in (target / "transformer").glob("*.safetensors"):
         f.unlink()
     with pytest.raises(ModelLoadError, match="transformer/ \\(no .safetensors weights\\)"):
@@ -52,9 +45,9 @@ def test_missing_weights_are_reported(model_dir, tmp_path):
         load_flux_pipeline(target)
 
 
-def test_deleted_tokenizer_file_is_an_error_not_a_stub(model_dir, tmp_path, monkeypatch):
+def test_deleted_tokenizer_file_is_an_error_not_a_stub(tiny_flux_copy, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    target = _copy(model_dir, tmp_path)
+    target = tiny_flux_copy
     (target / "tokenizer_2" / "tokenizer.json").unlink()
     with pytest.raises(ModelLoadError, match="tokenizer_2 has .* tokens but text_encoder_2"):
         load_flux_pipeline(target)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 from diffusers import FluxPipeline
-from trainer_utils import TINY_DEFAULTS, TINY_SIZES, tiny_model_dir
+from trainer_utils import TINY_DEFAULTS, TINY_SIZES
 
 from chunk_grpo.models import FluxPolicy, PromptEmbeds
 from chunk_grpo.models.latents import image_ids, pack_latents, unpack_latents
@@ -17,8 +17,8 @@ TEXT_WIDTH = 64  # T5's d_model and CLIP's pooled width at the tiny sizes
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("tiny_flux"))
+def model_dir(tiny_flux):
+    return tiny_flux
 
 
 @pytest.fixture(scope="module")

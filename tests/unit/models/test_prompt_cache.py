@@ -14,6 +14,9 @@ from chunk_grpo.models.prompt_cache import (
 )
 from chunk_grpo.runtime.distributed import DistInfo
 
+# tiny_config's default reward, registered for each test
+pytestmark = pytest.mark.usefixtures("brightness_reward")
+
 WORDS = "a one two red green blue circle circles square big".split()
 PROMPTS = ["two red circles", "a big blue square", "one green circle", "two red circles"]
 
@@ -105,13 +108,13 @@ def test_cpu_text_encoders_move_only_the_embeddings(model_dir):
         model_dir).encode_prompts(PROMPTS))
 
 
-def test_a_run_with_cached_prompts_trains_evaluates_and_exports(tmp_path):
-    from trainer_utils import tiny_config, tiny_model_dir
+def test_a_run_with_cached_prompts_trains_evaluates_and_exports(tiny_flux, tmp_path):
+    from trainer_utils import tiny_config
 
     from chunk_grpo.train.loop import run
     from chunk_grpo.train.metrics import read_metrics
 
-    model = tiny_model_dir(tmp_path)
+    model = tiny_flux
     train, heldout = tmp_path / "train.txt", tmp_path / "heldout.txt"
     train.write_text("a red circle\ntwo blue squares\n")
     heldout.write_text("a green triangle\n")

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 from safetensors import safe_open
-from trainer_utils import tiny_config, tiny_model_dir, velocities
+from trainer_utils import tiny_config, velocities
 
 from chunk_grpo.config.errors import ConfigError
 from chunk_grpo.config.parsing import build_config
@@ -33,14 +33,17 @@ from chunk_grpo.train.checkpoint import latest_checkpoint
 from chunk_grpo.train.loop import run
 from chunk_grpo.train.metrics import read_metrics
 
+# tiny_config's default reward, registered for each test
+pytestmark = pytest.mark.usefixtures("brightness_reward")
+
 bnb = pytest.importorskip("bitsandbytes")
 BNB_CLASSES = {"nf4": bnb.nn.Linear4bit, "int8": bnb.nn.Linear8bitLt}
 STORAGE = {"nf4": torch.uint8, "int8": torch.int8}
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("m"))
+def model_dir(tiny_flux):
+    return tiny_flux
 
 
 def call_inputs(transformer, rows: int = 2) -> dict:

@@ -25,7 +25,7 @@ from parallel_utils import build_transformer, full_trainable_state, loss_of, ste
 from safetensors import safe_open
 from spawn_ranks import run_ranks
 from torch.distributed.tensor import DTensor
-from trainer_utils import tiny_config, tiny_model_dir
+from trainer_utils import Brightness, registered_rewards, tiny_config
 
 import chunk_grpo.models.sharded_load as sharded_load
 import chunk_grpo.runtime.parallelize as parallelize
@@ -41,7 +41,8 @@ from chunk_grpo.runtime.parallelize import (
 )
 from chunk_grpo.train.setup import build_policy
 
-pytestmark = pytest.mark.slow  # one launch of 2 forked ranks
+# one launch of 2 forked ranks; tiny_config's default reward registered for each test
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("brightness_reward")]
 SETTINGS = {"parallel.mode": "fsdp", "eval.hybrid_steps": 2,
             "model.lora_targets": ["to_q", "to_k"]}
 # FLUX.1-dev's transformer/config.json at 1 double + 1 single block (545M parameters), as the
@@ -183,11 +184,12 @@ def save_flux_width(directory: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
+def two_ranks(tiny_flux, tmp_path_factory):
     root = tmp_path_factory.mktemp("sharded")
-    model_dir = tiny_model_dir(root)
+    model_dir = tiny_flux
     flux_dir = save_flux_width(root / "flux-width")
-    return root, model_dir, run_ranks(sharded_scenarios, 2, root, model_dir, flux_dir)
+    with registered_rewards(test_brightness=Brightness):  # the forked ranks inherit it
+        return root, model_dir, run_ranks(sharded_scenarios, 2, root, model_dir, flux_dir)
 
 
 @pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
@@ -259,8 +261,8 @@ def test_fsdp_accumulates_sharded_gradients_that_train_like_one_process(two_rank
                                        msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_a_checkpoint_that_disagrees_with_its_config_is_named(tmp_path):
-    model_dir = tiny_model_dir(tmp_path)
+def test_a_checkpoint_that_disagrees_with_its_config_is_named(tiny_flux_copy, tmp_path):
+    model_dir = tiny_flux_copy  # its weights file is moved away below
     transformer = sharded_load.meta_transformer(model_dir, torch.float32)
     transformer.extra = torch.nn.Linear(2, 2, device="meta")
     with pytest.raises(ModelLoadError, match=r"extra.weight is not in its checkpoint"):
@@ -283,8 +285,8 @@ def _one_rank_run(rank: int, world: int, tmp: Path, model_dir: Path, max_steps: 
             "exported": (run_dir / "final_model" / "model_index.json").is_file()}
 
 
-def test_fsdp_on_one_rank_checkpoints_resumes_and_exports(tmp_path):
-    model_dir = tiny_model_dir(tmp_path)
+def test_fsdp_on_one_rank_checkpoints_resumes_and_exports(tiny_flux, tmp_path):
+    model_dir = tiny_flux
     (first,) = run_ranks(_one_rank_run, 1, tmp_path, model_dir, 1, False)
     assert first["exported"] and first["checkpoints"]
     (second,) = run_ranks(_one_rank_run, 1, tmp_path, model_dir, 2, True)
@@ -315,8 +317,8 @@ def _roots_after_sampling(rank: int, world: int, tmp: Path, model_dir: Path) -> 
     return state
 
 
-def test_sampling_leaves_no_fsdp_root_unsharded(tmp_path):
-    (state,) = run_ranks(_roots_after_sampling, 1, tmp_path, tiny_model_dir(tmp_path))
+def test_sampling_leaves_no_fsdp_root_unsharded(tiny_flux, tmp_path):
+    (state,) = run_ranks(_roots_after_sampling, 1, tmp_path, tiny_flux)
     assert state["before"] == (True, True)
     assert state["bare forward"] is False  # what sampling must undo
     assert state["after sampling"] == (True, True)

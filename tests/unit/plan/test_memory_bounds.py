@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from trainer_utils import TINY_SIZES, tiny_config, tiny_model_dir
+from trainer_utils import TINY_SIZES, tiny_config
 
 import chunk_grpo.plan.bounds as bounds
 from chunk_grpo.cli import train as train_cli
@@ -99,8 +99,9 @@ def test_train_refuses_what_cannot_fit_before_the_run_directory(tmp_path, monkey
     assert not out.exists()
 
 
-def test_the_tiny_run_fits_and_the_bound_counts_the_ranks_of_a_host(tmp_path, monkeypatch):
-    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run")
+def test_the_tiny_run_fits_and_the_bound_counts_the_ranks_of_a_host(tiny_flux, tmp_path,
+                                                                    monkeypatch):
+    cfg = tiny_config(tiny_flux, tmp_path / "run")
     bounds.check_train_memory(cfg, 1, available=BUDGET)  # megabytes of a few GB: fits
     with pytest.raises(PlanDoesNotFit, match="phase needs at least"):
         bounds.check_train_memory(cfg, 1, available=10**6)

@@ -4,14 +4,14 @@ device/dtype options, batching, and the trainer's per-reward logs and overlapped
 import pytest
 import torch
 import yaml
-from trainer_utils import tiny_config, tiny_model_dir
+from trainer_utils import tiny_config
 
 from chunk_grpo.algorithm.advantages import per_reward_advantages
 from chunk_grpo.algorithm.rollout import RolloutSettings, sample_rollouts
 from chunk_grpo.config.errors import ConfigError
 from chunk_grpo.config.parsing import build_config, parse_args
 from chunk_grpo.config.reward_spec import RewardSpecError, format_reward_spec, parse_reward_spec
-from chunk_grpo.rewards import build_reward, register_reward
+from chunk_grpo.rewards import build_reward
 from chunk_grpo.runtime import distributed as D
 from chunk_grpo.train.loop import run, train_iteration
 from chunk_grpo.train.metrics import read_metrics
@@ -42,12 +42,12 @@ def recorder_with_kwargs(**options):
     return lambda images, prompts: images.float().mean(dim=(1, 2, 3))
 
 
-for name, factory in (("test_mix_red", Redness), ("test_mix_recorder", Recorder),
-                      ("test_mix_kwargs", recorder_with_kwargs)):
-    try:
-        register_reward(name)(factory)
-    except ValueError:
-        pass
+@pytest.fixture(autouse=True)
+def toy_rewards(register_test_reward, brightness_reward):
+    """This module's toy rewards, registered for each of its tests."""
+    register_test_reward("test_mix_red", Redness)
+    register_test_reward("test_mix_recorder", Recorder)
+    register_test_reward("test_mix_kwargs", recorder_with_kwargs)
 
 
 # ----------------------------------------------------------------------------- the spec
@@ -179,8 +179,8 @@ def test_per_reward_advantages_by_hand():
 
 # ----------------------------------------------------------------------------- the trainer
 
-def test_run_logs_every_reward_and_the_weighted_total(tmp_path):
-    model = tiny_model_dir(tmp_path)
+def test_run_logs_every_reward_and_the_weighted_total(tiny_flux, tmp_path):
+    model = tiny_flux
     out = run(tiny_config(model, tmp_path / "run", {
         "run.max_steps": 1, "reward.name": "test_brightness=1.0,test_mix_red=0.5",
         "reward.mix_advantage": "per_reward"}))
@@ -194,10 +194,10 @@ def test_run_logs_every_reward_and_the_weighted_total(tmp_path):
     assert record["skipped"] == 0 and record["adv_abs_max"] > 0
 
 
-def test_overlapped_scoring_gives_the_same_iteration(tmp_path):
+def test_overlapped_scoring_gives_the_same_iteration(tiny_flux, tmp_path):
     """Rows 0-7 in three rollout batches (3, 3, 2), scored on a worker thread or inline: the same
     rewards, advantages and update."""
-    model = tiny_model_dir(tmp_path)
+    model = tiny_flux
     results = []
     for overlap in (True, False):
         cfg = tiny_config(model, tmp_path / f"run{overlap}", {
@@ -210,10 +210,10 @@ def test_overlapped_scoring_gives_the_same_iteration(tmp_path):
     assert results[0] == results[1]
 
 
-def test_rollout_hook_sees_each_batch_in_order(tmp_path):
+def test_rollout_hook_sees_each_batch_in_order(tiny_flux, tmp_path):
     from chunk_grpo.models import FluxPolicy
 
-    policy = FluxPolicy.from_pretrained(tiny_model_dir(tmp_path))
+    policy = FluxPolicy.from_pretrained(tiny_flux)
     seen = []
     rollout = sample_rollouts(policy, ["a red circle", "two blue squares"], RolloutSettings(
         group_size=3, num_steps=3, shift=3.0, kind="flow", eta=0.7, batch_size=4, seed=0),
@@ -223,8 +223,8 @@ def test_rollout_hook_sees_each_batch_in_order(tmp_path):
     assert [p for _, _, ps in seen for p in ps] == ["a red circle"] * 3 + ["two blue squares"] * 3
 
 
-def test_g2rpo_per_reward_advantages_sum_over_finishes_and_rewards(tmp_path):
-    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", {
+def test_g2rpo_per_reward_advantages_sum_over_finishes_and_rewards(tiny_flux, tmp_path):
+    cfg = tiny_config(tiny_flux, tmp_path / "run", {
         "sampling.algorithm": "g2rpo", "sampling.shared_noise": True,
         "sampling.g2rpo_granularities": "1,2", "reward.mix_advantage": "per_reward",
         "reward.name": "test_brightness=1.0,test_mix_red=0.5", "loss.adv_clip_max": None})

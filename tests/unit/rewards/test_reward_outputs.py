@@ -3,10 +3,10 @@ logged and skipped step; and nothing lost."""
 
 import pytest
 import torch
-from trainer_utils import tiny_config, tiny_model_dir
+from trainer_utils import tiny_config
 
 from chunk_grpo.cli.runner import run_command
-from chunk_grpo.rewards import RewardOutputError, get_reward, register_reward
+from chunk_grpo.rewards import RewardOutputError, get_reward
 from chunk_grpo.rewards.outputs import call_reward, check_reward_output
 from chunk_grpo.rewards.registry import RewardLoadError
 from chunk_grpo.train.checkpoint import latest_checkpoint, load_checkpoint
@@ -90,10 +90,10 @@ class CallCounting:
         return BAD_OUTPUTS[CallCounting.mode](images, prompts)
 
 
-try:
-    register_reward("test_call_counting")(CallCounting)
-except ValueError:
-    pass
+@pytest.fixture(autouse=True)
+def toy_rewards(register_test_reward, brightness_reward):
+    """This module's toy rewards, registered for each of its tests."""
+    register_test_reward("test_call_counting", CallCounting)
 
 
 def _error_line(stderr: str) -> str:
@@ -104,10 +104,10 @@ def _error_line(stderr: str) -> str:
     return line
 
 
-def _config(tmp_path, mode, from_call=1, overrides: dict | None = None):
+def _config(model, tmp_path, mode, from_call=1, overrides: dict | None = None):
     CallCounting.calls, CallCounting.mode, CallCounting.from_call = 0, mode, from_call
-    return tiny_config(tiny_model_dir(tmp_path), tmp_path / "run",
-                       {"reward.name": "test_call_counting", **(overrides or {})})
+    return tiny_config(model, tmp_path / "run", {"reward.name": "test_call_counting",
+                                                  **(overrides or {})})
 
 
 @pytest.mark.parametrize("mode, outcome", [
@@ -115,9 +115,10 @@ def _config(tmp_path, mode, from_call=1, overrides: dict | None = None):
     ("nan", "stops before the run"), ("wrong_length", "stops before the run"),
     ("strings", "stops before the run"), ("raise", "stops before the run"),
 ])
-def test_bad_outputs_in_a_run(tmp_path, capsys, mode, outcome):
-    cfg = _config(tmp_path, mode, overrides={"run.max_steps": 2, "run.checkpoint_every": 1,
-                                             "run.max_bad_steps": 5})
+def test_bad_outputs_in_a_run(tiny_flux, tmp_path, capsys, mode, outcome):
+    cfg = _config(tiny_flux, tmp_path, mode, overrides={"run.max_steps": 2,
+                                                        "run.checkpoint_every": 1,
+                                                        "run.max_bad_steps": 5})
     capsys.readouterr()
     if outcome == "stops before the run":
         with pytest.raises(SystemExit) as stop:
@@ -140,12 +141,13 @@ def test_bad_outputs_in_a_run(tmp_path, capsys, mode, outcome):
         assert warnings == 1 and records[0]["adv_abs_max"] == 0.0
 
 
-def test_a_run_whose_rewards_are_all_nan_trains_nothing_and_fails_in_one_line(tmp_path, capsys):
+def test_a_run_whose_rewards_are_all_nan_trains_nothing_and_fails_in_one_line(tiny_flux, tmp_path,
+                                                                              capsys):
     """Finite on the start-up probe, NaN on every rollout: every iteration is skipped, and a run
     with no optimizer step is exit 2 with the cause (no summary, no final model)."""
-    cfg = _config(tmp_path, "nan", from_call=2, overrides={"run.max_steps": 2,
-                                                           "run.checkpoint_every": 1,
-                                                           "run.max_bad_steps": 5})
+    cfg = _config(tiny_flux, tmp_path, "nan", from_call=2, overrides={"run.max_steps": 2,
+                                                                      "run.checkpoint_every": 1,
+                                                                      "run.max_bad_steps": 5})
     capsys.readouterr()
     with pytest.raises(SystemExit) as stop:
         run_command(lambda: run(cfg), "prog", errors=(NothingTrained,))
@@ -161,10 +163,10 @@ def test_a_run_whose_rewards_are_all_nan_trains_nothing_and_fails_in_one_line(tm
     assert not (out / "final_model").exists() and not (out / "summary.json").exists()
 
 
-def test_a_reward_failing_mid_run_stops_in_one_line_naming_the_intact_checkpoint(tmp_path,
-                                                                                   capsys):
-    cfg = _config(tmp_path, "raise", from_call=3, overrides={"run.max_steps": 3,
-                                                             "run.checkpoint_every": 1})
+def test_a_reward_failing_mid_run_stops_in_one_line_naming_the_intact_checkpoint(
+        tiny_flux, tmp_path, capsys):
+    cfg = _config(tiny_flux, tmp_path, "raise", from_call=3, overrides={"run.max_steps": 3,
+                                                                        "run.checkpoint_every": 1})
     capsys.readouterr()
     with pytest.raises(SystemExit) as stop:
         run_command(lambda: run(cfg), "prog", errors=(RewardOutputError,))
@@ -176,13 +178,13 @@ def test_a_reward_failing_mid_run_stops_in_one_line_naming_the_intact_checkpoint
     assert load_checkpoint(kept, restore_rng=False)["step"] == 1
 
 
-def test_diverged_run_names_a_checkpoint_that_exists_or_none(tmp_path):
-    cfg = _config(tmp_path, "nan", from_call=2, overrides={"run.max_steps": 4,
-                                                           "run.checkpoint_every": 1,
-                                                           "run.max_bad_steps": 1})
+def test_diverged_run_names_a_checkpoint_that_exists_or_none(tiny_flux, tmp_path):
+    cfg = _config(tiny_flux, tmp_path, "nan", from_call=2, overrides={"run.max_steps": 4,
+                                                                      "run.checkpoint_every": 1,
+                                                                      "run.max_bad_steps": 1})
     with pytest.raises(TrainingDiverged, match="no checkpoint was written yet"):
         run(cfg)
-    cfg = _config(tmp_path, "nan", from_call=3, overrides={
+    cfg = _config(tiny_flux, tmp_path, "nan", from_call=3, overrides={
         "run.max_steps": 4, "run.checkpoint_every": 1, "run.max_bad_steps": 1,
         "run.output_dir": str(tmp_path / "run2")})
     with pytest.raises(TrainingDiverged) as err:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_utils import tiny_config, tiny_model_dir
+from trainer_utils import tiny_config
 
 from chunk_grpo.cli.reward_server import main as server_main
 from chunk_grpo.cli.runner import run_command
@@ -215,10 +215,11 @@ def test_bad_server_urls_are_config_errors():
 
 
 @pytest.mark.slow
-def test_a_run_whose_reward_server_dies_stops_with_an_intact_checkpoint(tmp_path, capsys):
+def test_a_run_whose_reward_server_dies_stops_with_an_intact_checkpoint(tiny_flux, tmp_path,
+                                                                        capsys):
     _write_module(tmp_path)
     server = Server("srv_rewards:bright", tmp_path)
-    model = tiny_model_dir(tmp_path)
+    model = tiny_flux
     cfg = tiny_config(model, tmp_path / "run", {"reward.name": f"remote:{server.url}",
                                                 "run.max_steps": 3,
                                                 "run.checkpoint_every": 1})

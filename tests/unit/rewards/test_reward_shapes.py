@@ -5,7 +5,14 @@ import pytest
 import torch
 from scipy import ndimage
 
-from chunk_grpo.rewards import ShapesReward, available_rewards, get_reward, register_reward
+from chunk_grpo.rewards import (
+    ShapesReward,
+    available_rewards,
+    get_reward,
+    register_reward,
+    unregister_reward,
+)
+from chunk_grpo.rewards.registry import UnknownRewardError
 from chunk_grpo.shapes import (
     PromptError,
     Scene,
@@ -159,23 +166,39 @@ def test_bad_inputs_raise(reward):
         reward(image, "a small red circle")
 
 
-def test_registry():
+class Constant:
+    def __init__(self, value: float = 0.5):
+        self.value = value
+
+    def __call__(self, images, prompts):
+        return torch.full((len(prompts),), self.value)
+
+
+def test_registry(register_test_reward):
     assert "shapes" in available_rewards()
     assert isinstance(get_reward("shapes"), ShapesReward)
     with pytest.raises(ValueError, match="available"):
         get_reward("no-such-reward")
-
-    @register_reward("test-constant")
-    class Constant:
-        def __init__(self, value: float = 0.5):
-            self.value = value
-
-        def __call__(self, images, prompts):
-            return torch.full((len(prompts),), self.value)
-
+    register_test_reward("test-constant", Constant)
     assert get_reward("test-constant", value=0.25)(None, ["x", "y"]).tolist() == [0.25, 0.25]
     with pytest.raises(ValueError, match="already registered"):
         register_reward("shapes")(Constant)
+
+
+def test_unregister_frees_the_name_and_refuses_an_unknown_one():
+    register_reward("test-unregistered")(Constant)
+    unregister_reward("test-unregistered")
+    assert "test-unregistered" not in available_rewards()
+    with pytest.raises(UnknownRewardError, match="unknown reward 'test-unregistered'"):
+        get_reward("test-unregistered")
+    # the name is free again, for another factory
+    register_reward("test-unregistered")(lambda: Constant(0.75))
+    assert get_reward("test-unregistered")(None, ["x"]).tolist() == [0.75]
+    unregister_reward("test-unregistered")
+    with pytest.raises(UnknownRewardError, match="cannot unregister reward 'test-unregistered': "
+                                                 "it is not registered"):
+        unregister_reward("test-unregistered")
+    assert "shapes" in available_rewards()  # the others stay
 
 
 USER_REWARD_MODULE = """

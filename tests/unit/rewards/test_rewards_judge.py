@@ -20,7 +20,7 @@ import pytest
 import torch
 import yaml
 from PIL import Image
-from trainer_utils import tiny_config, tiny_model_dir
+from trainer_utils import tiny_config
 
 from chunk_grpo.config.errors import ConfigError
 from chunk_grpo.config.parsing import build_config
@@ -31,6 +31,9 @@ from chunk_grpo.rewards.outputs import RewardOutputError
 from chunk_grpo.train.loop import run
 from chunk_grpo.train.metrics import read_metrics
 from chunk_grpo.train.setup import check_reward_name
+
+# tiny_config's default reward, registered for each test
+pytestmark = pytest.mark.usefixtures("brightness_reward")
 
 MODEL = "judge-test-vl"
 TEMPLATE = "Rate how well this image shows: {prompt}. Reply 'Score: N' from 1 to 10."
@@ -364,14 +367,14 @@ def test_the_shipped_judge_configs_parse():
 
 
 @pytest.mark.slow
-def test_a_training_step_scores_its_rollouts_with_the_judge(server, tmp_path):
+def test_a_training_step_scores_its_rollouts_with_the_judge(tiny_flux, server, tmp_path):
     path = tmp_path / "judge.yaml"
     path.write_text(yaml.safe_dump({"base_url": server.url, "model": MODEL, "template": TEMPLATE,
                                     "max_concurrency": 4}))
-    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / "run", {"reward.name": f"judge:{path}",
-                                                                   "run.max_steps": 1,
-                                                                   "eval.images": 2,
-                                                                   "eval.final_images": 2})
+    cfg = tiny_config(tiny_flux, tmp_path / "run", {"reward.name": f"judge:{path}",
+                                                    "run.max_steps": 1,
+                                                    "eval.images": 2,
+                                                    "eval.final_images": 2})
     run(cfg)
     record = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]
     rows = cfg.sampling.prompts_per_step * cfg.sampling.group_size

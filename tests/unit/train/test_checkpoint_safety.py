@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from parallel_utils import build_transformer, make_optimizer, train
-from trainer_utils import tiny_config, tiny_model_dir
+from trainer_utils import Brightness, registered_rewards, tiny_config
 
 from chunk_grpo.analysis.ablate import train_resumably
 from chunk_grpo.cli.runner import run_command
@@ -40,6 +40,9 @@ from chunk_grpo.train.sharded_checkpoint import (
     save_sharded_checkpoint,
     select_checkpoint,
 )
+
+# tiny_config's default reward, registered for each test
+pytestmark = pytest.mark.usefixtures("brightness_reward")
 
 
 class Payload:
@@ -87,11 +90,12 @@ def _state_with_payload(marker: pathlib.Path) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
+def finished_run(tiny_flux, tmp_path_factory):
     """A finished one-process run with a checkpoint at step 1."""
     root = tmp_path_factory.mktemp("safety")
-    return run(tiny_config(tiny_model_dir(root), root / "run", {"run.max_steps": 1,
-                                                                "run.checkpoint_every": 1}))
+    with registered_rewards(test_brightness=Brightness):
+        return run(tiny_config(tiny_flux, root / "run", {"run.max_steps": 1,
+                                                         "run.checkpoint_every": 1}))
 
 
 @pytest.mark.parametrize("manifest", ["rewritten", "deleted"])

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 from spawn_ranks import run_ranks
-from trainer_utils import tiny_config, tiny_model_dir
+from trainer_utils import tiny_config
 
 from chunk_grpo.algorithm.dynamics import measure_dynamics, shared_dynamics
 from chunk_grpo.cli.cache_prompts import main as cache_prompts_main
@@ -18,6 +18,9 @@ from chunk_grpo.config.parsing import build_config
 from chunk_grpo.models import FluxPolicy
 from chunk_grpo.models.prompt_cache import PromptCache, fill_prompt_cache
 from chunk_grpo.runtime import distributed as D
+
+# tiny_config's default reward, registered for each test
+pytestmark = pytest.mark.usefixtures("brightness_reward")
 
 PROMPTS = ["a red circle", "two blue squares", "one green triangle", "a big red square",
            "three small blue circles", "a green square", "two red triangles"]
@@ -35,8 +38,8 @@ def _fill_on_ranks(rank: int, world: int, tmp, model_dir, cache_dir):
     return fill.encoded_here, _files(fill.cache)
 
 
-def test_prompt_encoding_split_on_two_ranks_writes_the_one_process_cache(tmp_path):
-    model = tiny_model_dir(tmp_path)
+def test_prompt_encoding_split_on_two_ranks_writes_the_one_process_cache(tiny_flux, tmp_path):
+    model = tiny_flux
     single = fill_prompt_cache(FluxPolicy.from_pretrained(model), PROMPTS,
                                str(tmp_path / "one"), batch_size=2, progress=False)
     assert (single.distinct, single.missing, single.encoded_here) == (7, 7, 7)
@@ -51,8 +54,8 @@ def test_prompt_encoding_split_on_two_ranks_writes_the_one_process_cache(tmp_pat
                 assert torch.equal(value, want[name][key]), (name, key)
 
 
-def test_a_complete_cache_never_moves_the_text_encoders(tmp_path):
-    model = tiny_model_dir(tmp_path)
+def test_a_complete_cache_never_moves_the_text_encoders(tiny_flux, tmp_path):
+    model = tiny_flux
     fill_prompt_cache(FluxPolicy.from_pretrained(model), PROMPTS, str(tmp_path), progress=False)
     policy = FluxPolicy.from_pretrained(model)
     # "meta" would destroy the encoders if they moved: nothing to encode, so they stay put.
@@ -62,8 +65,9 @@ def test_a_complete_cache_never_moves_the_text_encoders(tmp_path):
     assert policy.pipeline.text_encoder_2.device.type == "cpu"
 
 
-def test_cache_prompts_then_the_run_never_encodes_a_prompt(tmp_path, capsys, monkeypatch):
-    model = tiny_model_dir(tmp_path)
+def test_cache_prompts_then_the_run_never_encodes_a_prompt(tiny_flux, tmp_path, capsys,
+                                                           monkeypatch):
+    model = tiny_flux
     train, heldout = tmp_path / "train.txt", tmp_path / "heldout.txt"
     train.write_text("a red circle\ntwo blue squares\n")
     heldout.write_text("a green triangle\n")
@@ -141,8 +145,8 @@ def _profile_on_ranks(rank: int, world: int, tmp, model_dir):
     return sharded, sharded_calls, broadcast, len(calls) - sharded_calls
 
 
-def test_the_profile_on_two_ranks_equals_the_one_process_curve(tmp_path):
-    model = tiny_model_dir(tmp_path)
+def test_the_profile_on_two_ranks_equals_the_one_process_curve(tiny_flux, tmp_path):
+    model = tiny_flux
     want = measure_dynamics(FluxPolicy.from_pretrained(model), PROMPTS[:5], **PROFILE)
     results = run_ranks(_profile_on_ranks, 2, tmp_path, model)
     (s0, c0, b0, n0), (s1, c1, b1, n1) = results
@@ -165,12 +169,12 @@ def _counting(original, counts: dict, updating: list[bool]):
     return counted
 
 
-def _reads_per_iteration(tmp_path, monkeypatch, micro_batch_size: int) -> tuple[int, int]:
+def _reads_per_iteration(model, tmp_path, monkeypatch, micro_batch_size: int) -> tuple[int, int]:
     """(host reads of one whole iteration, of its update: gradients and optimizer steps) with
     every tensor-to-Python conversion counted."""
     from chunk_grpo.train import loop as train
 
-    cfg = tiny_config(tiny_model_dir(tmp_path), tmp_path / f"run{micro_batch_size}",
+    cfg = tiny_config(model, tmp_path / f"run{micro_batch_size}",
                       {"optim.micro_batch_size": micro_batch_size, "chunks.fraction": 1.0})
     tr = train.build_trainer(cfg, tmp_path / f"run{micro_batch_size}", D.init_distributed("cpu"))
     counts = {"all": 0, "update": 0}
@@ -192,10 +196,11 @@ def _reads_per_iteration(tmp_path, monkeypatch, micro_batch_size: int) -> tuple[
     return counts["all"], counts["update"]
 
 
-def test_host_reads_per_iteration_do_not_grow_with_the_micro_batches(tmp_path, monkeypatch):
+def test_host_reads_per_iteration_do_not_grow_with_the_micro_batches(tiny_flux, tmp_path,
+                                                                    monkeypatch):
     # 8 rows: one micro-batch of 8, or four of 2; one optimizer step (grad_accum 0) either way
-    one = _reads_per_iteration(tmp_path, monkeypatch, 8)
-    four = _reads_per_iteration(tmp_path, monkeypatch, 2)
+    one = _reads_per_iteration(tiny_flux, tmp_path, monkeypatch, 8)
+    four = _reads_per_iteration(tiny_flux, tmp_path, monkeypatch, 2)
     assert one == four
     # the update reads the schedule's s_1 (a CPU tensor, no device sync), the step's skip
     # decision and, once, every loss, statistic and norm

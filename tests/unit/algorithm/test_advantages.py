@@ -1,13 +1,9 @@
-"""Group advantages, the shifted sigma schedule and the learning-rate schedule."""
-
-import math
+"""Group advantages: the per-group formula, global and no normalisation, clipping, bad input."""
 
 import pytest
 import torch
 
 from chunk_grpo.algorithm.advantages import group_advantages
-from chunk_grpo.algorithm.sigmas import dynamic_shift, flux_sigmas
-from chunk_grpo.train.optim import lr_factor
 
 
 def test_group_advantages_formula():
@@ -38,26 +34,3 @@ def test_group_advantages_bad_input():
         group_advantages(torch.ones(4), 3)
     with pytest.raises(ValueError, match="norm must be"):
         group_advantages(torch.ones(4), 2, norm="rank")
-
-
-def test_flux_sigmas_shifted():
-    s = flux_sigmas(4, shift=3.0)
-    base = torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0])
-    assert torch.allclose(s, 3 * base / (1 + 2 * base))
-    assert s.dtype == torch.float32 and s[0] == 1 and s[-1] == 0
-    assert torch.allclose(flux_sigmas(4, shift=1.0), base)
-    assert bool((s[1:] < s[:-1]).all())
-    with pytest.raises(ValueError, match="num_steps"):
-        flux_sigmas(0)
-    assert dynamic_shift(256) == pytest.approx(math.exp(0.5))
-    assert dynamic_shift(4096) == pytest.approx(math.exp(1.15))
-
-
-def test_lr_factor():
-    assert [lr_factor(i, warmup_steps=4, total_steps=10) for i in range(5)] == [
-        0.25, 0.5, 0.75, 1.0, 1.0]
-    assert lr_factor(2, warmup_steps=2, total_steps=12, kind="cosine") == 1.0
-    assert lr_factor(7, warmup_steps=2, total_steps=12, kind="cosine") == pytest.approx(0.5)
-    assert lr_factor(12, warmup_steps=2, total_steps=12, kind="cosine") == pytest.approx(0.0)
-    with pytest.raises(ValueError, match="constant"):
-        lr_factor(0, warmup_steps=0, total_steps=1, kind="step")
