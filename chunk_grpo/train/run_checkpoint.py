@@ -53,13 +53,18 @@ class RunState(Stateful):
     def __init__(self, tr: Trainer, step: int = 0, bad_streak: int = 0):
         self.tr, self.step, self.bad_streak = tr, step, bad_streak
 
+    # Nested plain values saved as one JSON string each: DCP would save each of their leaves
+    # apart and drop empty dicts (the schedule's lr_lambdas), which the loaders expect.
+    JSON = ("scheduler", "config", "counts")
+
     def state_dict(self) -> dict:
         tr = self.tr
         return {"step": self.step, "bad_streak": self.bad_streak,
                 "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                "scheduler": tr.scheduler.state_dict(), "chunk_layout": list(tr.layout.sizes),
-                "chunk_weights": tr.chunk_weights, "config": json.dumps(tr.cfg.to_dict()),
-                "counts": dict(tr.counts), "chunk_counts": list(tr.chunk_counts),
+                "scheduler": json.dumps(tr.scheduler.state_dict()),
+                "chunk_layout": list(tr.layout.sizes), "chunk_weights": tr.chunk_weights,
+                "config": json.dumps(tr.cfg.to_dict()), "counts": json.dumps(dict(tr.counts)),
+                "chunk_counts": list(tr.chunk_counts),
                 "rng": {f"rank{rank()}": rng_state()}}  # per rank: each its own name
 
     def load_state_dict(self, state: dict) -> None:
@@ -115,7 +120,7 @@ class Resume:
     bad_streak: int
     layout: tuple[int, ...]
     chunk_weights: torch.Tensor | None
-    state: dict  # the checkpoint's "run" state, its config as a dict
+    state: dict  # the checkpoint's "run" state (`RunState`), decoded
 
 
 def find_run_checkpoint(run_dir: Path, *, trust: bool = False) -> Resume:
@@ -124,7 +129,7 @@ def find_run_checkpoint(run_dir: Path, *, trust: bool = False) -> Resume:
     calls this."""
     path = select_checkpoint(run_dir, trust=trust)
     state = read_checkpoint(path, ("run",))["run"]
-    state["config"] = json.loads(state["config"])
+    state.update({key: json.loads(state[key]) for key in RunState.JSON})
     return Resume(path=path, step=state["step"], bad_streak=state["bad_streak"],
                   layout=tuple(state["chunk_layout"]), chunk_weights=state["chunk_weights"],
                   state=state)
