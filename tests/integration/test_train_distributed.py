@@ -87,9 +87,9 @@ def test_two_ranks_train_what_one_process_trains(setup, mode):
     save_config(_config(model, root / mode, prompts_per_step=2, parallelism=mode), config_file)
     _train(2, "--config", str(config_file))
     _assert_same_run(root / mode, reference)
-    if mode == "fsdp":  # its checkpoints are sharded: one directory of DCP shards per step
-        latest = root / mode / "checkpoints" / "step-00000002"
-        assert (latest / "shards").is_dir() and not (latest / "state.pt").exists()
+    # its checkpoints are sharded: one DCP file per rank, nothing gathered on rank 0
+    latest = root / mode / "checkpoints" / "step-00000002"
+    assert sorted(p.name for p in latest.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
 
 
 def test_a_two_rank_checkpoint_resumes_on_one_process_and_on_two(setup):

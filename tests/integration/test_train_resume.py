@@ -35,13 +35,17 @@ def _straight_and_resumed(tmp_path, **settings) -> None:
     b = without_times(read_metrics(resumed / "metrics.jsonl"))
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     assert a == b
-    state_a, state_b = (load_checkpoint(d, restore_rng=False) for d in (straight, resumed))
-    assert state_a["step"] == state_b["step"] == 4
+    state_a, state_b = (load_checkpoint(d) for d in (straight, resumed))
+    assert state_a["run"]["step"] == state_b["run"]["step"] == 4
     for name, value in state_a["model"].items():
         assert torch.equal(value, state_b["model"][name]), name
     for name, value in state_a["ema"]["shadow"].items():
         assert torch.equal(value, state_b["ema"]["shadow"][name]), name
-    assert state_a["scheduler"] == state_b["scheduler"]
+    assert state_a["run"]["scheduler"] == state_b["run"]["scheduler"]
+    assert state_a["optimizer"]["state"].keys() == state_a["model"].keys()
+    for name, entry in state_a["optimizer"]["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(value, state_b["optimizer"]["state"][name][key]), (name, key)
 
 
 # Several optimizer steps per iteration, warm-up + cosine LR, EMA, a random half of the chunks:
@@ -66,13 +70,13 @@ def test_bf16_resume_matches_an_uninterrupted_run(tmp_path):
 
 def test_checkpoints_are_atomic_and_pruned(tmp_path):
     for step in (1, 2, 3):
-        save_checkpoint(tmp_path, step, {"x": torch.tensor([step])}, keep=2)
+        save_checkpoint(tmp_path, step, {"x": torch.tensor([step]), "step": step}, keep=2)
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["latest", "step-00000002", "step-00000003"]
     # A write that died half-way leaves a temporary directory that is never picked up.
     (tmp_path / "checkpoints" / ".tmp-step-00000004").mkdir()
     assert latest_checkpoint(tmp_path).name == "step-00000003"
-    state = load_checkpoint(tmp_path, restore_rng=False)
+    state = load_checkpoint(tmp_path)
     assert state["step"] == 3 and int(state["x"]) == 3
     with pytest.raises(ValueError, match="no checkpoint"):
         load_checkpoint(tmp_path / "nothing")
@@ -90,7 +94,7 @@ def test_resume_flag_continues_the_saved_run(tmp_path):
     resumed = main(["--resume", str(first), "--max-steps", "3"])
     assert resumed == first
     assert [r["step"] for r in read_metrics(first / "metrics.jsonl")] == [1, 2, 3]
-    assert load_checkpoint(first, restore_rng=False)["step"] == 3
+    assert load_checkpoint(first)["run"]["step"] == 3
     assert "max_steps: 3" in (first / "config.yaml").read_text()
     with pytest.raises(ConfigError, match="no config.yaml"):
         main(["--resume", str(tmp_path / "nowhere")])
@@ -223,7 +227,7 @@ def test_settings_changed_on_resume_are_applied_and_listed(tmp_path, capsys):
     assert lines == ["[chunk-grpo] resuming with changed settings: optim.lr 0.001 -> 0.0005, "
                      "optim.weight_decay 0.0 -> 0.1, run.max_steps 2 -> 3"]
     assert read_metrics(out / "metrics.jsonl")[-1]["lr"] == 5e-4  # the optimizer's, not 1e-3
-    group = load_checkpoint(out, restore_rng=False)["optimizer"]["param_groups"][0]
+    group = load_checkpoint(out)["optimizer"]["param_groups"][0]
     assert (group["lr"], group["weight_decay"]) == (5e-4, 0.1)
 
 

@@ -1,5 +1,5 @@
 """Checkpoints: a damaged latest checkpoint (or pointer) falls back to the newest intact one, in
-one line; NaN weights are never saved; a full disk says so and keeps the previous checkpoint."""
+one line; a full disk says so and keeps the previous checkpoint."""
 
 import errno
 import json
@@ -19,7 +19,6 @@ from chunk_grpo.train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-
 
 SHARD = "__0_0.distcp"  # DCP's file of a one-process checkpoint
 
