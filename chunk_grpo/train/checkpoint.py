@@ -262,8 +262,7 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], keep:
     problem = _broadcast(problem)
     if problem is not None:
         raise DiskFullError(errno.ENOSPC, problem)  # on every rank; the previous one is kept
-    try:
-        _barrier()
+    try:  # the broadcast above waited for rank 0 to clear a stale temporary directory
         _dcp(lambda **kw: dcp.save(plain, checkpoint_id=tmp, **kw))
         _barrier()
         files = _file_hashes(tmp)
@@ -341,13 +340,12 @@ def checkpoint_problem(path: Path, trust: bool = False) -> str | None:
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return f"{MANIFEST} is damaged"
     for name, size in sorted(sizes.items()):  # sizes first: a truncated file needs no hashing
-        file = path / name
-        if not file.is_file():
+        found = (path / name).stat().st_size if (path / name).is_file() else None
+        if found is None:
             return f"{name} is missing"
-        if file.stat().st_size == 0 and size:
-            return f"{name} is empty"
-        if file.stat().st_size != size:
-            return f"{name} has {file.stat().st_size} bytes, its manifest says {size} (truncated?)"
+        if found != size:
+            return (f"{name} is empty" if found == 0 else
+                    f"{name} has {found} bytes, its manifest says {size} (truncated?)")
     found = _file_hashes(path, list(files))
     damaged = [name for name in sorted(files) if found[name]["sha256"] != files[name]["sha256"]]
     return f"{damaged[0]} does not match its manifest's sha256 (damaged)" if damaged else None
@@ -406,7 +404,7 @@ def select_checkpoint(path: str | Path, *, trust: bool = False) -> Path:
     if not (path / "checkpoints").is_dir():
         raise CheckpointError(f"no checkpoint in {str(path)!r}: give a run directory or a "
                               "step-XXXXXXXX directory")
-    return find_resumable(path, report=lambda line: print_note(line), trust=trust)
+    return find_resumable(path, report=print_note, trust=trust)
 
 
 # ----------------------------------------------------------------------------- reading

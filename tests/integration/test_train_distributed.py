@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from trainer_utils import tiny_config, tiny_model_dir
 
 from chunk_grpo.config.schema import save_config
+from chunk_grpo.train.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.slow  # each torchrun job starts 2 Python processes
 
@@ -122,3 +123,23 @@ def test_reference_kl_under_fsdp_full_fine_tuning(setup):
     _train(2, "--config", str(config_file))
     records = _metrics(root / "kl")
     assert [r["ref_kl"] for r in records][:1] == [0.0] and records[1]["ref_kl"] > 0
+
+
+def test_the_ema_and_every_ranks_generators_resume_at_another_world_size(setup):
+    """A 2-rank FSDP checkpoint holds the EMA's averages (sharded like the weights) and each
+    rank's random generators under its own name; resumed on one process, the next EMA update
+    starts from the saved averages."""
+    root, model, _ = setup
+    config_file = root / "ema.yaml"
+    save_config(_config(model, root / "ema", prompts_per_step=2, parallelism="fsdp",
+                        max_steps=1, ema_decay=0.5), config_file)
+    _train(2, "--config", str(config_file))
+    first = load_checkpoint(root / "ema")
+    assert first["ema"]["shadow"].keys() == first["model"].keys()
+    assert sorted(first["run"]["rng"]) == ["rank0", "rank1"]
+    _train(1, "--resume", str(root / "ema"), "--max-steps", "2")
+    second = load_checkpoint(root / "ema")
+    assert (second["run"]["step"], second["run"]["world_size"]) == (2, 1)
+    for name, average in first["ema"]["shadow"].items():
+        expected = average.lerp(second["model"][name].float(), 0.5)
+        torch.testing.assert_close(second["ema"]["shadow"][name], expected, rtol=0, atol=1e-7)
