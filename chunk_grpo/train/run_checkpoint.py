@@ -24,6 +24,7 @@ from chunk_grpo.config.errors import ConfigError
 from chunk_grpo.config.schema import PATHS, TrainConfig, build_config
 from chunk_grpo.runtime.parallelize import unwrapped
 from chunk_grpo.train.checkpoint import (
+    CheckpointError,
     ModelState,
     OptimizerState,
     print_note,
@@ -128,7 +129,10 @@ def find_run_checkpoint(run_dir: Path, *, trust: bool = False) -> Resume:
     anything is read (``trust``: one without a manifest too), and its run state. Every rank
     calls this."""
     path = select_checkpoint(run_dir, trust=trust)
-    state = read_checkpoint(path, ("run",))["run"]
+    state = read_checkpoint(path, ("run",)).get("run")
+    if not isinstance(state, dict) or not set(RunState.JSON) <= set(state):
+        raise CheckpointError(f"{path} holds no trainer's run state: it was not written by "
+                              "chunk_grpo.train; give a run directory of a training run")
     state.update({key: json.loads(state[key]) for key in RunState.JSON})
     return Resume(path=path, step=state["step"], bad_streak=state["bad_streak"],
                   layout=tuple(state["chunk_layout"]), chunk_weights=state["chunk_weights"],

@@ -176,3 +176,11 @@ def test_a_device_without_a_saved_cuda_rng_state_keeps_its_own(monkeypatch):
     assert ckpt.set_rng_state(state).endswith("2 GPU(s), 4 visible here: device 3 has none and "
                                               "keeps its seeded state")
     assert fake.restored == []
+
+
+def test_a_checkpoint_without_a_run_state_is_not_resumed(tmp_path):
+    from chunk_grpo.train.run_checkpoint import find_run_checkpoint
+
+    _two_checkpoints(tmp_path)
+    with pytest.raises(CheckpointError, match="step-00000002 holds no trainer's run state"):
+        find_run_checkpoint(tmp_path)
