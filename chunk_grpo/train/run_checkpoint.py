@@ -51,12 +51,12 @@ class WorldSizeError(ValueError):
 class RunState(Stateful):
     """The trainer's plain state: what the run needs besides its tensors to go on exactly."""
 
-    def __init__(self, tr: Trainer, step: int = 0, bad_streak: int = 0):
-        self.tr, self.step, self.bad_streak = tr, step, bad_streak
-
     # Nested plain values saved as one JSON string each: DCP would save each of their leaves
     # apart and drop empty dicts (the schedule's lr_lambdas), which the loaders expect.
     JSON = ("scheduler", "config", "counts")
+
+    def __init__(self, tr: Trainer, step: int = 0, bad_streak: int = 0):
+        self.tr, self.step, self.bad_streak = tr, step, bad_streak
 
     def state_dict(self) -> dict:
         tr = self.tr
