@@ -314,7 +314,7 @@ def run_one(cell: Cell, seed: int, cfg: TrainConfig, out: Path, count: int, nois
         trained = json.loads(trained_path.read_text())
     else:
         trained = train_resumably(cfg, run_dir, on_step_end, trust_checkpoint)
-        trained["chunk_layout"] = load_checkpoint(run_dir, restore_rng=False)["chunk_layout"]
+        trained["chunk_layout"] = load_checkpoint(run_dir, names=("run",))["run"]["chunk_layout"]
         _atomic_write(trained_path, json.dumps(trained))
     policy = load_policy(cfg.with_changes({"model.name": str(run_dir / "final_model")}), device)
     evaluation = evaluate_model(policy, cfg, count, noise_seed, reward)

@@ -117,11 +117,6 @@ def uses_lora(transformer: torch.nn.Module) -> bool:
     return bool(getattr(transformer, "_hf_peft_config_loaded", False))
 
 
-def trainable_state_dict(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The weights a checkpoint must keep: the LoRA adapters, or the whole transformer."""
-    return {n: p.detach().clone() for n, p in transformer.named_parameters() if p.requires_grad}
-
-
 def load_trainable_state_dict(transformer: torch.nn.Module, state: dict[str, torch.Tensor]):
     params = dict(transformer.named_parameters())
     missing = [n for n in state if n not in params]

@@ -744,16 +744,15 @@ def _phases(s: PlanSettings, sizes: ModelSizes) -> tuple[list[PlanRow], list[Pha
         out[-1] = dataclasses.replace(out[-1], host_rank_bytes=out[-1].host_rank_bytes
                                       + sum(b for _, b in export_host))
     else:
-        # `checkpoint_state` clones the trained weights and the EMA's averages; the NaN/Inf
-        # check masks one tensor at a time (1 B per value). torch.save writes a CPU tensor from
-        # its own memory but copies a CUDA tensor to the host first, one at a time: the largest
+        # DCP writes the live weights, optimizer state and EMA averages (no copies); the
+        # NaN/Inf check masks one tensor at a time (1 B per value). A CPU tensor is written from
+        # its own memory, a CUDA one copied to the host first, one at a time: the largest
         # trained tensor in fp32 (full fine-tuning: the transformer's largest weight; LoRA: an
         # adapter's, 0.8 MB for FLUX.1-dev at r=64).
         largest = _largest_trained_tensor(s.model, s.lora_rank, s.lora_targets)
-        out.append(phase("checkpoint", [*held, ("trained weights cloned", 4 * trainable),
-                                        ("EMA cloned", ema), ("NaN/Inf check mask", largest)],
+        out.append(phase("checkpoint", [*held, ("NaN/Inf check mask", largest)],
                          rank_host=4 * largest if cuda else 0,
-                         note="one file: the trained weights cloned, written tensor by tensor"
+                         note="DCP: the live state written tensor by tensor"
                               + (" through the host" if cuda else "")))
         if quantized is not None:
             out.append(_quantized_export(s, sizes, quantized, held, phase,

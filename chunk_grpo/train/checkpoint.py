@@ -1,18 +1,21 @@
-"""Atomic, verified checkpoints: everything a run needs to continue exactly where it stopped.
+"""Atomic, verified checkpoints in torch.distributed.checkpoint (DCP) format, at any world size.
 
-A checkpoint is a directory `checkpoints/step-XXXXXXXX/` holding `state.pt` and `manifest.json`
-(the size and sha256 of every file). It is written under a temporary name and renamed into place
-(os.replace), and `checkpoints/latest` (a one-line file, also replaced atomically) names the newest
-complete one; a run killed mid-write leaves the previous checkpoint intact. Resuming verifies the
-manifest: a damaged, truncated or empty latest checkpoint, or a missing `latest` pointer, falls
-back to the newest intact checkpoint and says so; the newest intact checkpoint wins whatever
-`latest` says. Before writing, the free space is checked; a full disk is a `DiskFullError` with
-the bytes needed, and the previous checkpoint is kept.
+A checkpoint is a directory `checkpoints/step-XXXXXXXX/` holding DCP's files (`.metadata` and one
+`__<rank>_0.distcp` per rank that wrote) and `manifest.json` (the size and sha256 of every file).
+Every rank writes its own shards, nothing is gathered on rank 0, and one process without a
+process group writes the same format; DCP reshards on load, so a checkpoint saved on N ranks
+loads on M. The state is a dict of `Stateful` objects (or nested dicts of tensors and plain
+values), saved and loaded by name. A checkpoint is written under a temporary name and renamed
+into place (os.replace), and `checkpoints/latest` (replaced atomically too) names the newest; a
+run killed mid-write leaves the previous checkpoint intact. Before writing, the free space is
+checked; a full disk is a `DiskFullError` with the bytes needed, and the previous one is kept.
 
-Nothing in a checkpoint runs as code: `state.pt` holds tensors and plain values only (the RNG
-states as tensors, the config as a dict) and is read with ``torch.load(weights_only=True)``, after
-its size and sha256 match the manifest. A checkpoint without a manifest is refused unless the
-caller trusts it (``--trust-checkpoint``), and is then read the same restricted way.
+Resuming verifies every file against the manifest (each rank hashes a share): a damaged,
+truncated or empty newest checkpoint, or a missing `latest`, falls back to the newest intact one
+and says so in one line. Nothing in a checkpoint runs as code: tensors are read by DCP with
+``weights_only``, the plain values with ``torch.load(weights_only=True)`` and DCP's `.metadata`
+with an unpickler that builds only DCP's metadata classes. A checkpoint without a manifest is
+refused unless the caller trusts it (``--trust-checkpoint``), and is then read the same way.
 """
 
 from __future__ import annotations
@@ -21,18 +24,44 @@ import errno
 import hashlib
 import json
 import os
+import pathlib
 import pickle
 import random
 import shutil
 import sys
+import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.filesystem as dcp_filesystem
+import torch.distributed.checkpoint.metadata as dcp_metadata
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from chunk_grpo.runtime.parallelize import unwrapped
 
 MANIFEST = "manifest.json"
-STATE = "state.pt"
+FORMAT = "dcp"
+METADATA = dcp_filesystem._metadata_fn
+# Only the weights being trained: LoRA adapters, or the whole transformer (the frozen base comes
+# from the model files); loading them leaves the frozen weights as they are.
+_TRAINABLE = StateDictOptions(ignore_frozen_params=True)
+_LOAD_TRAINABLE = StateDictOptions(ignore_frozen_params=True, strict=False)
+# What earlier chunk-grpo versions wrote: a single torch.save file, or trainer.pt beside shards/.
+_OLD_FORMATS = {"state.pt": "one state.pt file", "trainer.pt": "trainer.pt and shards/"}
 
 
 class CheckpointError(ValueError):
@@ -43,10 +72,40 @@ class DiskFullError(OSError):
     """A checkpoint did not fit on the disk; the previous checkpoint is kept."""
 
 
+# ----------------------------------------------------------------------------- state
+
+class ModelState(Stateful):
+    """The trained weights of a model (plain, DDP or FSDP2) keyed by parameter name: the LoRA
+    adapters, or every weight under full fine-tuning; sharded DTensors under FSDP."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = get_model_state_dict(self.model, options=_TRAINABLE)
+        trained = {n for n, p in unwrapped(self.model).named_parameters() if p.requires_grad}
+        return {name: value for name, value in state.items() if name in trained}  # no buffers
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        set_model_state_dict(self.model, state, options=_LOAD_TRAINABLE)
+
+
+class OptimizerState(Stateful):
+    """An optimizer's state keyed by parameter name (so it reshards with the weights)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict:
+        return get_optimizer_state_dict(self.model, self.optimizer, options=_TRAINABLE)
+
+    def load_state_dict(self, state: dict) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state, options=_LOAD_TRAINABLE)
+
+
 def rng_state() -> dict:
-    """The python, numpy, torch and CUDA random states as tensors and plain values (a
-    checkpoint holding them loads with ``torch.load(weights_only=True)``); "cuda" holds one
-    state per visible CUDA device."""
+    """The python, numpy, torch and CUDA random states as tensors and plain values; "cuda" holds
+    one state per visible CUDA device."""
     version, python_keys, gauss = random.getstate()
     kind, numpy_keys, pos, has_gauss, cached = np.random.get_state()
     state = {"torch": torch.get_rng_state(),
@@ -88,44 +147,13 @@ def set_rng_state(state: dict) -> str | None:
 
 def print_note(note: str | None) -> None:
     """Print a resume note once (on rank 0 of a distributed job)."""
-    if note and (not dist.is_initialized() or dist.get_rank() == 0):
+    if note and rank() == 0:
         print(note, flush=True)
 
 
-def safe_load(path: Path) -> dict:
-    """``torch.load(path, weights_only=True)``: tensors and plain values, never code. A file
-    holding anything else (another program's pickle, or an earlier chunk-grpo's numpy RNG state)
-    is a CheckpointError saying so."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        what = str(err).split("Unsupported global: GLOBAL ")[-1].split(" ")[0].strip(".")
-        found = f" (e.g. {what})" if "Unsupported global" in str(err) else ""
-        raise CheckpointError(
-            f"{path} holds objects other than tensors and plain values{found}, so it is not "
-            "loaded (unpickling them could run code): it was not written by this version of "
-            "chunk-grpo. Start a new run, or resume an earlier version's run with that "
-            "version") from None
-    except Exception as err:  # damage the manifest did not catch (no manifest, trusted)
-        raise CheckpointError(f"{path} does not load: {type(err).__name__}") from None
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def state_bytes(state: object) -> int:
-    """Bytes of the tensors and arrays in a (nested) state: what a checkpoint of it needs."""
+    """Bytes of the tensors and arrays in a (nested) state: what a checkpoint of it needs
+    (a DTensor counts its global size, written once)."""
     if isinstance(state, torch.Tensor):
         return state.numel() * state.element_size()
     if isinstance(state, np.ndarray):
@@ -137,10 +165,67 @@ def state_bytes(state: object) -> int:
     return 0
 
 
-def nonfinite_tensors(state: dict) -> list[str]:
-    """Names of the floating-point tensors of a flat state dict holding NaN or Inf."""
-    return [name for name, t in state.items() if isinstance(t, torch.Tensor)
-            and t.is_floating_point() and not bool(torch.isfinite(t).all())]
+# ----------------------------------------------------------------------------- ranks
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _broadcast(value):
+    """Rank 0's ``value`` on every rank (a picklable object)."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _dcp(call):
+    """Run a DCP save or load (without a process group on one process, quietly), raising what
+    failed inside it rather than DCP's per-rank wrapper."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            return call(no_dist=not dist.is_initialized())
+    except CheckpointException as err:
+        causes = [f[0] if isinstance(f, tuple) else f for f in err.failures.values()]
+        for cause in causes:
+            if isinstance(cause, (CheckpointError, OSError)):
+                raise cause from None
+        raise causes[0] if causes and isinstance(causes[0], Exception) else err from None
+
+
+# ----------------------------------------------------------------------------- files
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _file_hashes(directory: Path, names: list[str] | None = None) -> dict[str, dict]:
+    """{relative path: {bytes, sha256}} of ``names`` (default: every file below ``directory``);
+    each rank hashes an equal share (a shared filesystem), gathered on every rank."""
+    if names is None:
+        names = [str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file()]
+    mine = {name: {"bytes": (directory / name).stat().st_size, "sha256": _sha256(directory / name)}
+            for name in sorted(names)[rank()::_world()]}
+    if not dist.is_initialized():
+        return mine
+    parts = [None] * _world()
+    dist.all_gather_object(parts, mine)
+    return {name: entry for part in parts for name, entry in sorted(part.items())}
 
 
 def _disk_full(root: Path, needed: int, previous: Path | None) -> DiskFullError:
@@ -151,34 +236,47 @@ def _disk_full(root: Path, needed: int, previous: Path | None) -> DiskFullError:
                          f"(or lower keep_checkpoints) and resume with --resume")
 
 
-def save_checkpoint(run_dir: str | Path, step: int, state: dict, keep: int = 2) -> Path:
-    """Write ``state`` (tensors and plain Python objects) as checkpoint ``step``, with its
-    manifest. Raises DiskFullError (leaving the previous checkpoint) when it does not fit."""
+def _is_disk_full(err: BaseException) -> bool:
+    # torch reports a short write as RuntimeError("... unexpected pos ...")
+    return ((isinstance(err, OSError) and err.errno == errno.ENOSPC)
+            or (isinstance(err, RuntimeError) and "unexpected pos" in str(err)))
+
+
+def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], keep: int = 2) -> Path:
+    """Write ``state`` ({name: Stateful, or a nested dict of tensors and plain values}) as
+    checkpoint ``step`` with its manifest, and keep the newest ``keep``. Every rank calls this;
+    per-rank values need per-rank names (DCP writes one copy of equal names). Raises
+    DiskFullError (leaving the previous checkpoint) when it does not fit."""
     root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step:08d}"
-    tmp = root / f".tmp-step-{step:08d}"
-    previous = latest_checkpoint(run_dir)
-    needed = state_bytes(state) + (1 << 20)  # pickled metadata and the RNG states besides
-    if shutil.disk_usage(root).free < needed:
-        raise _disk_full(root, needed, previous)
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    try:
-        tmp.mkdir()
-        torch.save(dict(state, step=step, rng=rng_state()), tmp / STATE)
-        manifest = {"step": step, "files": {STATE: {"bytes": (tmp / STATE).stat().st_size,
-                                                    "sha256": _sha256(tmp / STATE)}}}
+    final, tmp = root / f"step-{step:08d}", root / f".tmp-step-{step:08d}"
+    plain = {name: value.state_dict() if isinstance(value, Stateful) else value
+             for name, value in state.items()}
+    needed = state_bytes(plain) + (1 << 20)  # DCP's metadata and the plain values besides
+    problem = None
+    if rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if shutil.disk_usage(root).free < needed:
+            problem = str(_disk_full(root, needed, latest_checkpoint(run_dir)))
+        elif tmp.exists():
+            shutil.rmtree(tmp)
+    problem = _broadcast(problem)
+    if problem is not None:
+        raise DiskFullError(errno.ENOSPC, problem)  # on every rank; the previous one is kept
+    try:  # the broadcast above waited for rank 0 to clear a stale temporary directory
+        _dcp(lambda **kw: dcp.save(plain, checkpoint_id=tmp, **kw))
+        _barrier()
+        files = _file_hashes(tmp)
+    except BaseException as err:
+        if rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if _is_disk_full(err):
+            raise _disk_full(root, needed, latest_checkpoint(run_dir)) from None
+        raise
+    if rank() == 0:
+        manifest = {"step": step, "format": FORMAT, "world_size": _world(), "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-    except (OSError, RuntimeError) as err:
-        # torch reports a short write as RuntimeError("... unexpected pos ..."): a full disk
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(err, OSError) and err.errno != errno.ENOSPC:
-            raise
-        if isinstance(err, RuntimeError) and "unexpected pos" not in str(err):
-            raise
-        raise _disk_full(root, needed, previous) from None
-    publish_checkpoint(tmp, final, keep)
+        publish_checkpoint(tmp, final, keep)
+    _barrier()
     return final
 
 
@@ -189,7 +287,9 @@ def publish_checkpoint(tmp: Path, final: Path, keep: int) -> None:
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _atomic_write_text(root / "latest", final.name + "\n")
+    pointer = root / "latest.tmp"
+    pointer.write_text(final.name + "\n")
+    os.replace(pointer, root / "latest")
     old = sorted(p for p in root.glob("step-*") if p.is_dir() and p != final)
     for stale in old[:max(0, len(old) - (keep - 1))]:
         shutil.rmtree(stale, ignore_errors=True)
@@ -204,96 +304,73 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
         path = pointer.parent / pointer.read_text().strip()
     except (OSError, UnicodeDecodeError):
         return None
-    # a sharded (DCP) checkpoint has no state.pt; its manifest is written last
-    return path if (path / STATE).is_file() or (path / MANIFEST).is_file() else None
+    found = any((path / name).is_file() for name in (MANIFEST, METADATA, *_OLD_FORMATS))
+    return path if found else None
 
+
+# ----------------------------------------------------------------------------- verification
 
 NO_MANIFEST = (f"no {MANIFEST}: not written by chunk-grpo, or damaged; if you trust where it "
                "came from, resume with --trust-checkpoint")
 
 
-def checkpoint_problem(path: Path, trust: bool = False) -> str | None:
-    """Why the checkpoint directory ``path`` cannot be trusted, or None if it is intact: its
-    files' sizes and sha256 match its manifest (a sharded one: every file's size, and the
-    sha256 of the files read before the shards, trainer.pt and DCP's .metadata). Nothing is
-    deserialised here. Without a manifest it is refused unless ``trust``."""
-    sharded = _sharded_files_problem(path)
-    if sharded is not None:
-        return sharded or None
-    if (path / "shards").is_dir() and not (path / MANIFEST).is_file():
-        return None if trust else NO_MANIFEST
-    state = path / STATE
-    if not state.is_file():
-        return f"no {STATE}"
-    size = state.stat().st_size
-    if size == 0:
-        return f"{STATE} is empty"
-    manifest_path = path / MANIFEST
-    if not manifest_path.is_file():
-        return None if trust else NO_MANIFEST
-    try:
-        expected = json.loads(manifest_path.read_text())["files"][STATE]
-        return file_problem(state, STATE, expected)
-    except (OSError, ValueError, KeyError, TypeError):
-        return f"{MANIFEST} is damaged"
-
-
-def file_problem(file: Path, name: str, expected: dict, *, sha256: bool = True) -> str | None:
-    """Whether ``file`` has the size (and sha256) its manifest entry ``expected`` gives."""
-    if not file.is_file():
-        return f"{name} is missing"
-    size = file.stat().st_size
-    if size != expected["bytes"]:
-        return f"{name} has {size} bytes, its manifest says {expected['bytes']} (truncated?)"
-    if sha256 and _sha256(file) != expected["sha256"]:
-        return f"{name} does not match its manifest's sha256 (damaged)"
+def old_format(path: Path) -> str | None:
+    """One line saying how to go on, when ``path`` is an earlier chunk-grpo's checkpoint."""
+    for name, what in _OLD_FORMATS.items():
+        if (path / name).is_file():
+            return (f"{path} was written by an earlier chunk-grpo ({what}), which this version "
+                    "does not read: resume it with the chunk-grpo version that wrote it, or "
+                    "start a new run with another output_dir")
     return None
 
 
-# A sharded checkpoint's files read before its shards: checked in full when it is chosen.
-SHARDED_SMALL_FILES = ("trainer.pt", "shards/.metadata")
-
-
-def _sharded_files_problem(path: Path) -> str | None:
-    """For a sharded (DCP) checkpoint: "" if every file its manifest lists is there with its
-    size and the small files read first (`SHARDED_SMALL_FILES`) match their sha256 (the shards'
-    sha256 is checked when they are loaded, by all ranks), else the problem; None for any other
-    checkpoint."""
+def checkpoint_problem(path: Path, trust: bool = False) -> str | None:
+    """Why the checkpoint directory ``path`` cannot be trusted, or None if it is intact: every
+    file its manifest lists has its size and sha256 (each rank hashes a share: every rank calls
+    this). Nothing is deserialised. Without a manifest it is refused unless ``trust``."""
+    if not (path / MANIFEST).is_file():
+        if not trust:
+            return NO_MANIFEST
+        return None if (path / METADATA).is_file() else f"no {METADATA}"
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(manifest, dict) or manifest.get("format") != "dcp":
-        return None
-    try:
-        files = manifest["files"]
-        for name in SHARDED_SMALL_FILES:
-            if name not in files:
-                return f"{MANIFEST} does not list {name}"
-        for name, entry in files.items():
-            problem = file_problem(path / name, name, entry,
-                                   sha256=name in SHARDED_SMALL_FILES)
-            if problem is not None:
-                return problem
-    except (KeyError, TypeError, AttributeError):
+        files = json.loads((path / MANIFEST).read_text())["files"]
+        sizes = {name: int(entry["bytes"]) for name, entry in files.items()}
+        if METADATA not in files:
+            return f"{MANIFEST} does not list {METADATA}"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return f"{MANIFEST} is damaged"
-    return ""
+    for name, size in sorted(sizes.items()):  # sizes first: a truncated file needs no hashing
+        found = (path / name).stat().st_size if (path / name).is_file() else None
+        if found is None:
+            return f"{name} is missing"
+        if found != size:
+            return (f"{name} is empty" if found == 0 else
+                    f"{name} has {found} bytes, its manifest says {size} (truncated?)")
+    found = _file_hashes(path, list(files))
+    damaged = [name for name in sorted(files) if found[name]["sha256"] != files[name]["sha256"]]
+    return f"{damaged[0]} does not match its manifest's sha256 (damaged)" if damaged else None
 
 
-def find_resumable(run_dir: str | Path, report=None, *, trust: bool = False,
-                   exclude: dict[Path, str] | None = None) -> Path:
-    """The newest intact checkpoint of a run, whatever `checkpoints/latest` says. A damaged
-    one (or one without a manifest, unless ``trust``), and a `latest` pointer that names an
-    older or missing checkpoint, are reported in one line to ``report`` (default: stderr).
-    ``exclude``: checkpoints already found damaged, with why. Raises CheckpointError if none is
-    intact."""
-    report = report or (lambda line: print(line, file=sys.stderr, flush=True))
+def _stderr(line: str) -> None:
+    if rank() == 0:
+        print(line, file=sys.stderr, flush=True)
+
+
+def find_resumable(run_dir: str | Path, report=None, *, trust: bool = False) -> Path:
+    """The newest intact checkpoint of a run, whatever `checkpoints/latest` says (every rank
+    calls this). A damaged one (or one without a manifest, unless ``trust``), and a `latest`
+    pointer that names an older or missing checkpoint, are reported in one line to ``report``
+    (default: stderr). Raises CheckpointError if none is intact, or the newest is an earlier
+    version's."""
+    report = report or _stderr
     root = Path(run_dir) / "checkpoints"
     candidates = sorted((p for p in root.glob("step-*") if p.is_dir()), reverse=True)
     pointed = latest_checkpoint(run_dir)
     skipped = []
     for path in candidates:
-        problem = (exclude or {}).get(path) or checkpoint_problem(path, trust)
+        if old_format(path):
+            raise CheckpointError(old_format(path))
+        problem = checkpoint_problem(path, trust)
         if problem is None:
             if skipped:
                 report(f"[chunk-grpo] skipped damaged checkpoint(s) {'; '.join(skipped)}; "
@@ -311,22 +388,145 @@ def find_resumable(run_dir: str | Path, report=None, *, trust: bool = False,
                           "with another output_dir")
 
 
-def load_checkpoint(path: str | Path, *, restore_rng: bool = True, trust: bool = False) -> dict:
-    """Load a checkpoint directory (or a run directory: its newest intact checkpoint), verified
-    against its manifest before it is read, with ``torch.load(weights_only=True)``. ``trust``:
-    accept one without a manifest (read the same restricted way)."""
+def select_checkpoint(path: str | Path, *, trust: bool = False) -> Path:
+    """The checkpoint directory ``path`` names, verified: itself (no fallback), or a run
+    directory's newest intact checkpoint (damaged ones are skipped with a line from rank 0).
+    Every rank calls this; nothing is deserialised."""
     path = Path(path)
-    if not (path / STATE).is_file():
-        if not (path / "checkpoints").is_dir():
-            raise CheckpointError(f"no checkpoint in {str(path)!r}: expected a run directory "
-                                  f"with checkpoints/ or a checkpoint directory with {STATE}")
-        path = find_resumable(path, trust=trust)
-    else:
+    if old_format(path):
+        raise CheckpointError(old_format(path))
+    if (path / MANIFEST).is_file() or (path / METADATA).is_file():
         problem = checkpoint_problem(path, trust)
         if problem is not None:
             raise CheckpointError(f"checkpoint {path} is damaged: {problem}; give its run "
-                                  "directory to fall back to an earlier checkpoint")
-    state = safe_load(path / STATE)
-    if restore_rng:
-        print_note(set_rng_state(state["rng"]))
+                                  "directory to fall back to an earlier one")
+        return path
+    if not (path / "checkpoints").is_dir():
+        raise CheckpointError(f"no checkpoint in {str(path)!r}: give a run directory or a "
+                              "step-XXXXXXXX directory")
+    return find_resumable(path, report=print_note, trust=trust)
+
+
+# ----------------------------------------------------------------------------- reading
+
+def _not_plain(where: object, err: pickle.UnpicklingError) -> CheckpointError:
+    what = str(err).split("Unsupported global: GLOBAL ")[-1].split(" ")[0].strip(".")
+    found = f" (e.g. {what})" if "Unsupported global" in str(err) else ""
+    return CheckpointError(
+        f"{where} holds objects other than tensors and plain values{found}, so it is not "
+        "loaded (unpickling them could run code): it was not written by this version of "
+        "chunk-grpo. Start a new run, or resume an earlier version's run with that version")
+
+
+class _PlainValuesPlanner(DefaultLoadPlanner):
+    """DCP's load planner reading the non-tensor values with ``weights_only=True``."""
+
+    def __init__(self, where: Path):
+        super().__init__()
+        self.where = where
+
+    def load_bytes(self, read_item, value) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise _not_plain(f"{self.where} ({fqn})", err) from None
+        set_element(self.original_state_dict, self.mappings[fqn], obj)
+
+
+# What DCP's .metadata pickle is made of; anything else is refused before it is built.
+_METADATA_GLOBALS = {
+    ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("collections", "OrderedDict"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP's metadata classes, torch dtypes and sizes, and nothing else."""
+
+    def find_class(self, module: str, name: str):
+        value = getattr(dcp_metadata, name, None) if module == dcp_metadata.__name__ else None
+        allowed = ((module, name) in _METADATA_GLOBALS
+                   or (isinstance(value, type) and value.__module__ == module)
+                   or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                         torch.dtype)))
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name}")
+        return super().find_class(module, name)
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file reader with `.metadata` unpickled by `_MetadataUnpickler`: a metadata file
+    naming anything but DCP's own classes is a CheckpointError, not code that runs."""
+
+    def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
+        path = pathlib.Path(self.path) / METADATA
+        try:
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except pickle.UnpicklingError as err:
+            raise CheckpointError(f"{path} names {err}, which DCP metadata never holds: refused "
+                                  "(unpickling it could run code); this checkpoint was not "
+                                  "written by chunk-grpo") from None
+        except (OSError, EOFError, ValueError, TypeError, AttributeError) as err:
+            raise CheckpointError(f"{path} does not load: {type(err).__name__}") from None
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def saved_names(path: Path) -> dict[str, set[str]]:
+    """{top-level name: the names below it} of checkpoint ``path`` (from its metadata)."""
+    names: dict[str, set[str]] = {}
+    for fqn_path in SafeReader(path).read_metadata().planner_data.values():
+        names.setdefault(str(fqn_path[0]), set()).add(str(fqn_path[1]) if len(fqn_path) > 1
+                                                      else "")
+    return names
+
+
+def read_checkpoint(path: Path, names: tuple[str, ...] | None = None) -> dict:
+    """The entries ``names`` (default: all) of the verified checkpoint ``path`` as a nested
+    dict of full CPU tensors and plain values, built from its metadata alone (no model needed:
+    e.g. the run state a trainer is built from). Every rank calls this."""
+    reader = SafeReader(path)
+    metadata = reader.read_metadata()
+    state: dict = {}
+    for fqn, entry in metadata.state_dict_metadata.items():
+        where = metadata.planner_data[fqn]
+        if names is not None and where[0] not in names:
+            continue
+        value = (torch.empty(entry.size, dtype=entry.properties.dtype)
+                 if isinstance(entry, dcp_metadata.TensorStorageMetadata) else None)
+        set_element(state, where, value)
+    _dcp(lambda **kw: dcp.load(state, storage_reader=reader, planner=_PlainValuesPlanner(path),
+                               **kw))
     return state
+
+
+def restore_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    """Load the verified checkpoint ``path`` into ``state`` ({name: Stateful or nested dict of
+    tensors}) in place, at any world size (DCP reshards). Every rank calls this. A model that
+    trains other weights than the checkpoint holds is a CheckpointError naming one."""
+    reader = SafeReader(path)
+    saved = saved_names(path)
+    for name, value in state.items():
+        if isinstance(value, ModelState):
+            wanted = set(value.state_dict())
+            if saved.get(name, set()) != wanted:
+                odd = sorted(saved.get(name, set()) ^ wanted)[0]
+                raise CheckpointError(f"checkpoint {path} trains other weights than this model "
+                                      f"(e.g. {odd}); was it saved with another LoRA / model "
+                                      "configuration?")
+    _dcp(lambda **kw: dcp.load(state, storage_reader=reader, planner=_PlainValuesPlanner(path),
+                               **kw))
+
+
+def load_checkpoint(path: str | Path, *, trust: bool = False,
+                    names: tuple[str, ...] | None = None) -> dict:
+    """A checkpoint directory (or a run directory's newest intact checkpoint), verified against
+    its manifest and read as `read_checkpoint` does. ``trust``: accept one without a manifest
+    (read the same restricted way)."""
+    return read_checkpoint(select_checkpoint(path, trust=trust), names)

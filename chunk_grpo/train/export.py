@@ -10,15 +10,20 @@
   (``save_pretrained`` layout: config.json and safetensors, no text encoders or VAE).
 
 The weights are written in the run's weights dtype (bf16 where the frozen weights are bf16).
-Each directory is written under a temporary name and moved into place when complete.
+Each directory is written under a temporary name and moved into place when complete. Under
+FSDP / DDP the trained transformer is gathered once, onto rank 0's CPU (`export_full_model`), and
+written there.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from chunk_grpo.config.specs import EXPORT_FORMATS, export_formats
 from chunk_grpo.models.policy_setup import (
@@ -28,6 +33,7 @@ from chunk_grpo.models.policy_setup import (
     uses_lora,
 )
 from chunk_grpo.models.quantize import quantization_of
+from chunk_grpo.runtime.parallelize import unwrapped
 
 EXPORT_DIRS = {"merged": "final_model", "lora": "final_lora", "transformer": "final_transformer"}
 LORA_FILE = "pytorch_lora_weights.safetensors"  # the name load_lora_weights looks for
@@ -88,3 +94,44 @@ def save_lora(pipeline_class, transformer: torch.nn.Module, out_dir: str | Path,
                                          weight_name=LORA_FILE)
 
     return publish_dir(out_dir, write)
+
+
+def gather_full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every weight of the model (frozen ones too) as full CPU tensors on rank 0, an empty dict
+    on the other ranks; every rank calls this (under FSDP it all-gathers one tensor at a time)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
+
+
+def plain_transformer(model: torch.nn.Module, full_state: dict[str, torch.Tensor]):
+    """An unsharded copy of the (FLUX) transformer holding ``full_state``, built on the meta
+    device so no second set of weights is initialised; keeps its LoRA adapters (unmerged)."""
+    live = unwrapped(model)
+    with torch.device("meta"):
+        plain = type(live).from_config(live.config)
+        if uses_lora(live):
+            for name, config in live.peft_config.items():
+                plain.add_adapter(copy.deepcopy(config), adapter_name=name)
+    plain.load_state_dict(full_state, assign=True)
+    return plain
+
+
+def export_full_model(pipeline, model: torch.nn.Module, targets: Mapping[str, Path] | str | Path,
+                      *, defaults=None, dtype: torch.dtype = torch.bfloat16) -> dict[str, Path]:
+    """The trained transformer gathered to rank 0's CPU and written there in each format of
+    ``targets`` ({format: directory}; a single directory is the merged export), in ``dtype``
+    (bf16 safetensors by default). Every rank calls this; rank 0 writes and gets the
+    directories written. The GPU holds one full tensor at a time (gathered, then copied to the
+    CPU); rank 0's CPU the whole trained state once (cast in place)."""
+    if not isinstance(targets, Mapping):
+        targets = {"merged": Path(targets)}
+    full = gather_full_state(model)
+    written = {}
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        plain = plain_transformer(model, full)
+        full.clear()  # the plain copy holds the tensors: casting it frees each fp32 one
+        written = write_exports(pipeline, plain, targets, defaults=defaults, dtype=dtype,
+                                copy_weights=False)
+    if dist.is_initialized():
+        dist.barrier()
+    return written

@@ -23,9 +23,9 @@ advantages, and step 5 trains that one step. The two are samplers of one interfa
 (`chunk_grpo.algorithm.samplers`), chosen once when the trainer is built; `collect_batch` calls the
 interface only. The run is built by `chunk_grpo.train.setup` and evaluated by
 `chunk_grpo.train.run_eval`. Under torchrun the transformer is sharded with FSDP2 or wrapped in DDP
-(`parallelism`), the DDP's gradients sync only at accumulation boundaries, and several ranks write
-sharded checkpoints (`chunk_grpo.train.run_checkpoint`). Under FSDP the transformer loads straight
-into its shards and gradients are reduce-scattered every micro-batch
+(`parallelism`), the DDP's gradients sync only at accumulation boundaries, and every rank writes
+its shards of the checkpoints (`chunk_grpo.train.run_checkpoint`). Under FSDP the transformer
+loads straight into its shards and gradients are reduce-scattered every micro-batch
 (`chunk_grpo.models.sharded_load`, `chunk_grpo.runtime.parallelize`). The hybrid-evaluation base
 comes from the policy's own weights (`chunk_grpo.models.hybrid_base`).
 """
@@ -379,8 +379,8 @@ def _start_or_resume(cfg: TrainConfig, run_dir: Path, info: D.DistInfo, resume: 
                      prompt_sets: PromptSets, reward_fn, setup: PolicySetup,
                      trust_checkpoint: bool = False, guard=None
                      ) -> tuple[Trainer, int, int] | None:
-    """The trainer, fresh or restored from the newest intact checkpoint (either format, saved
-    at any world size); (trainer, first step, bad streak), or None for a finished run that is
+    """The trainer, fresh or restored from the newest intact checkpoint (saved at any world
+    size); (trainer, first step, bad streak), or None for a finished run that is
     left as it is."""
     saved = None
     if resume:

@@ -56,11 +56,15 @@ class EMA:
             self.shadow[name] = live.float()
 
     def state_dict(self) -> dict:
-        return {"decay": self.decay, "shadow": {k: v.clone() for k, v in self.shadow.items()}}
+        """The decay and the live averages (a checkpoint loads into them in place)."""
+        return {"decay": self.decay, "shadow": self.shadow}
 
+    @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         self.decay = state["decay"]
-        self.shadow = {k: v.clone() for k, v in state["shadow"].items()}
+        for name, value in state["shadow"].items():
+            if value is not self.shadow[name]:
+                self.shadow[name].copy_(value)
 
 
 def lr_factor(step: int, *, warmup_steps: int, total_steps: int, kind: str = "constant") -> float:

@@ -1,75 +1,116 @@
-"""A run's checkpoints, in the format its world size calls for.
+"""A run's checkpoints: the trainer's state as `Stateful` objects, assembled in one place.
 
-One process writes one file (`chunk_grpo.train.checkpoint`: the trained weights, the optimizer,
-schedule and EMA, atomically, with a manifest). Several ranks write sharded checkpoints
-(`chunk_grpo.train.sharded_checkpoint`, torch.distributed.checkpoint): every rank its own shards,
-with no gather on rank 0. A sharded checkpoint loads at any world size (DCP reshards); the per-rank
-batch then changes so that the global batch stays (`resume_batch_plan`), which the run prints.
+`trainer_state` names what a checkpoint holds: the trained weights ("model"), the optimizer
+("optimizer"), the EMA's averages ("ema", when the run keeps one) and the run's plain state
+("run": step, bad streak, schedule, chunk layout, weights and counts, config, world size and
+every rank's random generators). `chunk_grpo.train.checkpoint` writes it with
+torch.distributed.checkpoint, the same on one process and on any number of DDP / FSDP ranks, and
+a checkpoint loads at any world size (DCP reshards); the per-rank batch then changes so that the
+global batch stays (`resume_batch_plan`), which the run prints.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from chunk_grpo.config.errors import ConfigError
 from chunk_grpo.config.parsing import config_from_saved
 from chunk_grpo.config.schema import PATHS, TrainConfig
-from chunk_grpo.runtime.parallelize import all_finite, is_sharded
+from chunk_grpo.runtime.parallelize import unwrapped
 from chunk_grpo.train.checkpoint import (
-    STATE,
     CheckpointError,
-    nonfinite_tensors,
+    ModelState,
+    OptimizerState,
     print_note,
-    safe_load,
+    rank,
+    read_checkpoint,
+    restore_checkpoint,
+    rng_state,
     save_checkpoint,
+    saved_names,
+    select_checkpoint,
     set_rng_state,
 )
-from chunk_grpo.train.setup import Trainer, checkpoint_state, restore_chunk_counts, restore_state
-from chunk_grpo.train.sharded_checkpoint import (
-    TRAINER,
-    is_sharded_checkpoint,
-    load_sharded_checkpoint,
-    resume_batch_plan,
-    save_sharded_checkpoint,
-    select_checkpoint,
-)
+from chunk_grpo.train.setup import Trainer
 
 
 class NonFiniteWeights(RuntimeError):
     """The trained weights hold NaN/Inf; the message names one (they are not saved)."""
 
 
-def _run_state(tr: Trainer, bad_streak: int) -> dict:
-    """What a sharded checkpoint keeps besides the shards (rank 0's small state)."""
-    return {"scheduler": tr.scheduler.state_dict(), "bad_streak": bad_streak,
-            "chunk_layout": list(tr.layout.sizes), "chunk_weights": tr.chunk_weights,
-            "config": tr.cfg.to_dict(), "ema_decay": tr.ema.decay if tr.ema else None,
-            "counts": dict(tr.counts), "chunk_counts": list(tr.chunk_counts)}
+class WorldSizeError(ValueError):
+    """A checkpoint's global batch cannot be kept at this world size; the message says how."""
 
 
-def _ema_tensors(tr: Trainer) -> dict[str, torch.Tensor] | None:
-    return None if tr.ema is None else {f"ema.{k}": v for k, v in tr.ema.shadow.items()}
+class RunState(Stateful):
+    """The trainer's plain state: what the run needs besides its tensors to go on exactly."""
+
+    # Nested plain values saved as one JSON string each: DCP would save each of their leaves
+    # apart and drop empty dicts (the schedule's lr_lambdas), which the loaders expect.
+    JSON = ("scheduler", "config", "counts")
+
+    def __init__(self, tr: Trainer, step: int = 0, bad_streak: int = 0):
+        self.tr, self.step, self.bad_streak = tr, step, bad_streak
+
+    def state_dict(self) -> dict:
+        tr = self.tr
+        return {"step": self.step, "bad_streak": self.bad_streak,
+                "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                "scheduler": json.dumps(tr.scheduler.state_dict()),
+                "chunk_layout": list(tr.layout.sizes), "chunk_weights": tr.chunk_weights,
+                "config": json.dumps(tr.cfg.to_dict()), "counts": json.dumps(dict(tr.counts)),
+                "chunk_counts": list(tr.chunk_counts),
+                "rng": {f"rank{rank()}": rng_state()}}  # per rank: each its own name
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the schedule, counts and this rank's generators (a rank the checkpoint had
+        no counterpart of takes rank 0's)."""
+        tr = self.tr
+        tr.scheduler.load_state_dict(state["scheduler"])
+        tr.counts.update(state.get("counts", {}))
+        saved = state.get("chunk_counts")
+        if saved is not None and len(saved) == tr.layout.num_chunks:
+            tr.chunk_counts = [int(n) for n in saved]
+        rngs = state["rng"]
+        print_note(set_rng_state(rngs.get(f"rank{rank()}", rngs["rank0"])))
+
+
+def trainer_state(tr: Trainer, step: int = 0, bad_streak: int = 0, *,
+                  ema: bool = True) -> dict[str, Stateful]:
+    """Everything a checkpoint of ``tr`` holds, by name (``ema``: with the EMA, if any)."""
+    state = {"model": ModelState(tr.module), "optimizer": OptimizerState(tr.module, tr.optimizer),
+             "run": RunState(tr, step, bad_streak)}
+    if ema and tr.ema is not None:
+        state["ema"] = tr.ema
+    return state
+
+
+def _nonfinite(tr: Trainer) -> list[str]:
+    """The trained tensors holding NaN/Inf on any rank (each rank checks its own shards)."""
+    bad = [name for name, p in unwrapped(tr.module).named_parameters() if p.requires_grad
+           and not bool(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all())]
+    if not dist.is_initialized():
+        return bad
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, bad)
+    return sorted({name for part in parts for name in part})
 
 
 def save_run_checkpoint(tr: Trainer, step: int, bad_streak: int) -> None:
     """Checkpoint ``step`` (every rank calls this). NaN/Inf weights are never saved: the last
     checkpoint on disk stays the one to resume (NonFiniteWeights)."""
-    cfg = tr.cfg
-    if tr.info.world_size == 1 and not is_sharded(tr.module):
-        state = checkpoint_state(tr, bad_streak)
-        bad = nonfinite_tensors(state["model"])
-        if bad:
-            raise NonFiniteWeights(f"{len(bad)} trained tensor(s) (e.g. {bad[0]})")
-        state["world_size"] = 1
-        save_checkpoint(tr.run_dir, step, state, keep=cfg.run.keep_checkpoints)
-        return
-    if not all_finite(tr.params, tr.info.device):
-        raise NonFiniteWeights("some trained tensor(s)")
-    save_sharded_checkpoint(tr.run_dir, step, tr.module, tr.optimizer, _run_state(tr, bad_streak),
-                            extra=_ema_tensors(tr), keep=cfg.run.keep_checkpoints)
+    bad = _nonfinite(tr)
+    if bad:
+        raise NonFiniteWeights(f"{len(bad)} trained tensor(s) (e.g. {bad[0]})")
+    save_checkpoint(tr.run_dir, step, trainer_state(tr, step, bad_streak),
+                    keep=tr.cfg.run.keep_checkpoints)
 
 
 @dataclass
@@ -81,22 +122,19 @@ class Resume:
     bad_streak: int
     layout: tuple[int, ...]
     chunk_weights: torch.Tensor | None
-    state: dict  # the whole single-file state, or a sharded checkpoint's trainer.pt
-
-    @property
-    def sharded(self) -> bool:
-        return is_sharded_checkpoint(self.path)
+    state: dict  # the checkpoint's "run" state (`RunState`), decoded
 
 
 def find_run_checkpoint(run_dir: Path, *, trust: bool = False) -> Resume:
-    """The newest intact checkpoint of ``run_dir`` (either format, verified against its
-    manifest before anything is read; ``trust``: one without a manifest too); restores the RNG
-    state of a single-file one, as an uninterrupted run would have it. Every rank calls this."""
+    """The newest intact checkpoint of ``run_dir``, verified against its manifest before
+    anything is read (``trust``: one without a manifest too), and its run state. Every rank
+    calls this."""
     path = select_checkpoint(run_dir, trust=trust)
-    sharded = is_sharded_checkpoint(path)
-    state = safe_load(path / (TRAINER if sharded else STATE))
-    if not sharded:
-        print_note(set_rng_state(state["rng"]))
+    state = read_checkpoint(path, ("run",)).get("run")
+    if not isinstance(state, dict) or not set(RunState.JSON) <= set(state):
+        raise CheckpointError(f"{path} holds no trainer's run state: it was not written by "
+                              "chunk_grpo.train; give a run directory of a training run")
+    state.update({key: json.loads(state[key]) for key in RunState.JSON})
     return Resume(path=path, step=state["step"], bad_streak=state["bad_streak"],
                   layout=tuple(state["chunk_layout"]), chunk_weights=state["chunk_weights"],
                   state=state)
@@ -178,6 +216,59 @@ def apply_resume_changes(tr: Trainer, resume: Resume) -> str | None:
             + ", ".join(f"{path} {saved.get(path)!r} -> {cfg.get(path)!r}" for path in changed))
 
 
+@dataclass(frozen=True)
+class BatchPlan:
+    """Per-rank settings that keep a checkpoint's global batch at a new world size."""
+
+    prompts_per_step: int
+    grad_accum: int
+    message: str | None  # one line for the log; None when nothing changes
+
+
+def resume_batch_plan(*, saved_world_size: int, saved_prompts_per_step: int,
+                      saved_grad_accum: int, world_size: int,
+                      requested_prompts_per_step: int | None = None) -> BatchPlan:
+    """The per-rank prompts and grad_accum for resuming at ``world_size``.
+
+    Policy: a resumed run keeps the global batch it was saved with (prompts per iteration and
+    rows per optimizer step, which the optimizer state and learning-rate schedule were built
+    on), so the per-rank prompts and grad_accum scale by saved_world_size / world_size. If they
+    cannot, that is an error naming the world sizes that can. Giving prompts_per_step explicitly
+    on resume (``requested_prompts_per_step``) changes the global batch on purpose, and the line
+    says so.
+    """
+    same = world_size == saved_world_size
+    if requested_prompts_per_step is not None and (
+            not same or requested_prompts_per_step != saved_prompts_per_step):
+        before = saved_prompts_per_step * saved_world_size
+        after = requested_prompts_per_step * world_size
+        return BatchPlan(requested_prompts_per_step, saved_grad_accum,
+                         f"[chunk-grpo] resuming a {saved_world_size}-rank checkpoint on "
+                         f"{world_size} rank(s) with sampling.prompts_per_step "
+                         f"{requested_prompts_per_step} as given: the global batch changes from "
+                         f"{before} to {after} prompts per iteration")
+    if same:
+        return BatchPlan(saved_prompts_per_step, saved_grad_accum, None)
+    total = saved_prompts_per_step * saved_world_size
+    accum_total = saved_grad_accum * saved_world_size  # training calls per step, all ranks
+    if total % world_size or accum_total % world_size:
+        fits = [n for n in range(1, total + 1)
+                if total % n == 0 and accum_total % n == 0]
+        raise WorldSizeError(
+            f"the checkpoint's global batch ({saved_prompts_per_step} prompts x "
+            f"{saved_world_size} ranks = {total} per iteration, optim.grad_accum "
+            f"{saved_grad_accum}) "
+            f"cannot be split over {world_size} ranks; resume on {', '.join(map(str, fits))} "
+            f"rank(s), or pass --sampling.prompts_per_step to change the global batch")
+    pps, accum = total // world_size, accum_total // world_size
+    accum_note = (f" and optim.grad_accum {saved_grad_accum} -> {accum}" if saved_grad_accum
+                  else "")
+    return BatchPlan(pps, accum,
+                     f"[chunk-grpo] resuming a {saved_world_size}-rank checkpoint on {world_size} "
+                     f"rank(s): sampling.prompts_per_step {saved_prompts_per_step} -> {pps} per "
+                     f"rank{accum_note}; the global batch stays {total} prompts per iteration")
+
+
 def config_for_world(cfg: TrainConfig, resume: Resume, world_size: int) -> tuple[TrainConfig,
                                                                                  str | None]:
     """The config to resume with at ``world_size``: the per-rank prompts and grad_accum that
@@ -197,16 +288,12 @@ def config_for_world(cfg: TrainConfig, resume: Resume, world_size: int) -> tuple
 
 
 def restore_run(tr: Trainer, resume: Resume) -> None:
-    """Load ``resume`` into a freshly built trainer (every rank calls this)."""
-    if resume.sharded:
-        load_sharded_checkpoint(resume.path, tr.module, tr.optimizer, extra=_ema_tensors(tr),
-                                restore_rng=True, verified=True)
-        tr.scheduler.load_state_dict(resume.state["scheduler"])
-        tr.counts.update(resume.state.get("counts", {}))
-        restore_chunk_counts(tr, resume.state)
-        return
-    if is_sharded(tr.module):
-        raise CheckpointError(f"{resume.path} was written by one process; resume it on one "
-                              f"process or with parallelism: ddp (a sharded checkpoint, written "
-                              f"by a multi-rank run, resumes at any world size)")
-    restore_state(tr, resume.state)
+    """Load ``resume`` into a freshly built trainer, whatever world size wrote it (every rank
+    calls this). An EMA the checkpoint has none of starts from the restored weights."""
+    state = trainer_state(tr, ema="ema" in saved_names(resume.path))
+    run = state.pop("run")
+    restore_checkpoint(resume.path, state)
+    run.load_state_dict(resume.state)
+    if tr.ema is not None and "ema" not in state:
+        shadow = {name: p.detach().float() for name, p in tr.ema.params.items()}
+        tr.ema.load_state_dict({"decay": tr.ema.decay, "shadow": shadow})

@@ -27,11 +27,10 @@ from chunk_grpo.runtime import distributed as D
 from chunk_grpo.runtime.parallelize import is_sharded
 from chunk_grpo.runtime.weights_dtype import resolve_weights_dtype
 from chunk_grpo.train.checkpoint import DiskFullError, latest_checkpoint
-from chunk_grpo.train.export import export_targets, write_exports
+from chunk_grpo.train.export import export_full_model, export_targets, write_exports
 from chunk_grpo.train.metrics import reward_captions
 from chunk_grpo.train.phase_memory import active_phase
 from chunk_grpo.train.setup import Trainer
-from chunk_grpo.train.sharded_checkpoint import export_full_model
 from chunk_grpo.train.summary import (
     ChunkReport,
     Comparison,

@@ -31,11 +31,7 @@ from chunk_grpo.data.prompts import PromptSet, check_prompts, load_prompt_set
 from chunk_grpo.models import EMBEDDED_MODEL, FluxPolicy
 from chunk_grpo.models.hybrid_base import FrozenTransformerBase, hybrid_base
 from chunk_grpo.models.loading import resolve_pipeline_dir
-from chunk_grpo.models.policy_setup import (
-    load_trainable_state_dict,
-    prepare_transformer,
-    trainable_state_dict,
-)
+from chunk_grpo.models.policy_setup import prepare_transformer
 from chunk_grpo.models.prompt_cache import text_encoder_device
 from chunk_grpo.models.quantize import quantize_base
 from chunk_grpo.models.sampling_defaults import apply_sampling_size
@@ -489,39 +485,3 @@ def parallelize_policy(cfg: TrainConfig, policy: FluxPolicy, base, info: D.DistI
         policy.forward_module = module
     return module
 
-
-# ----------------------------------------------------------------------------- checkpoints
-
-def checkpoint_state(tr: Trainer, bad_streak: int) -> dict:
-    """What a checkpoint holds: the trained weights, the optimizer, schedule and EMA, the
-    fixed chunk layout and weights, and the config."""
-    return {
-        "model": trainable_state_dict(tr.policy.transformer),
-        "optimizer": tr.optimizer.state_dict(),
-        "scheduler": tr.scheduler.state_dict(),
-        "ema": tr.ema.state_dict() if tr.ema is not None else None,
-        "bad_streak": bad_streak,
-        "chunk_layout": list(tr.layout.sizes),
-        "chunk_weights": tr.chunk_weights,
-        "config": tr.cfg.to_dict(),
-        "counts": dict(tr.counts),
-        "chunk_counts": list(tr.chunk_counts),
-    }
-
-
-def restore_state(tr: Trainer, state: dict) -> None:
-    """Load a `checkpoint_state` into a freshly built trainer."""
-    load_trainable_state_dict(tr.policy.transformer, state["model"])
-    tr.optimizer.load_state_dict(state["optimizer"])
-    tr.scheduler.load_state_dict(state["scheduler"])
-    if tr.ema is not None and state.get("ema") is not None:
-        tr.ema.load_state_dict(state["ema"])
-    tr.counts.update(state.get("counts", {}))
-    restore_chunk_counts(tr, state)
-
-
-def restore_chunk_counts(tr: Trainer, state: dict) -> None:
-    """The per-chunk training counts of a checkpoint (zeros for one saved without them)."""
-    saved = state.get("chunk_counts")
-    if saved is not None and len(saved) == tr.layout.num_chunks:
-        tr.chunk_counts = [int(n) for n in saved]

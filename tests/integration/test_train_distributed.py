@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from trainer_utils import tiny_config
 
 from chunk_grpo.config.parsing import save_config
+from chunk_grpo.train.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.slow  # each torchrun job starts 2 Python processes
 
@@ -89,9 +90,9 @@ def test_two_ranks_train_what_one_process_trains(setup, mode):
                                                        "parallel.mode": mode}), config_file)
     _train(2, "--config", str(config_file))
     _assert_same_run(root / mode, reference)
-    if mode == "fsdp":  # its checkpoints are sharded: one directory of DCP shards per step
-        latest = root / mode / "checkpoints" / "step-00000002"
-        assert (latest / "shards").is_dir() and not (latest / "state.pt").exists()
+    # its checkpoints are sharded: one DCP file per rank, nothing gathered on rank 0
+    latest = root / mode / "checkpoints" / "step-00000002"
+    assert sorted(p.name for p in latest.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
 
 
 def test_a_two_rank_checkpoint_resumes_on_one_process_and_on_two(setup):
@@ -128,3 +129,25 @@ def test_reference_kl_under_fsdp_full_fine_tuning(setup):
     _train(2, "--config", str(config_file))
     records = _metrics(root / "kl")
     assert [r["ref_kl"] for r in records][:1] == [0.0] and records[1]["ref_kl"] > 0
+
+
+def test_the_ema_and_every_ranks_generators_resume_at_another_world_size(setup):
+    """A 2-rank FSDP checkpoint holds the EMA's averages (sharded like the weights) and each
+    rank's random generators under its own name; resumed on one process, the next EMA update
+    starts from the saved averages."""
+    root, model, _ = setup
+    config_file = root / "ema.yaml"
+    save_config(_config(model, root / "ema", overrides={"sampling.prompts_per_step": 2,
+                                                        "parallel.mode": "fsdp",
+                                                        "run.max_steps": 1,
+                                                        "optim.ema_decay": 0.5}), config_file)
+    _train(2, "--config", str(config_file))
+    first = load_checkpoint(root / "ema")
+    assert first["ema"]["shadow"].keys() == first["model"].keys()
+    assert sorted(first["run"]["rng"]) == ["rank0", "rank1"]
+    _train(1, "--resume", str(root / "ema"), "--run.max_steps", "2")
+    second = load_checkpoint(root / "ema")
+    assert (second["run"]["step"], second["run"]["world_size"]) == (2, 1)
+    for name, average in first["ema"]["shadow"].items():
+        expected = average.lerp(second["model"][name].float(), 0.5)
+        torch.testing.assert_close(second["ema"]["shadow"][name], expected, rtol=0, atol=1e-7)

@@ -15,7 +15,7 @@ from chunk_grpo.config.parsing import load_saved_config
 from chunk_grpo.models import FluxPolicy
 from chunk_grpo.models.loading import ModelLoadError
 from chunk_grpo.runtime.distributed import init_distributed
-from chunk_grpo.train.checkpoint import latest_checkpoint
+from chunk_grpo.train.checkpoint import latest_checkpoint, load_checkpoint
 from chunk_grpo.train.loop import TrainingDiverged, run
 from chunk_grpo.train.metrics import read_metrics
 from chunk_grpo.train.run_eval import evaluate
@@ -95,8 +95,8 @@ def test_cli_two_steps_auto_chunks_and_export(tiny_flux, tmp_path):
     assert "guard     shapes before" in text and f"verdict   {summary['eval']['verdict']}" in text
     assert "times trained over 2 iterations: " in text
     assert (out / "images" / "before_after.png").exists()
-    state = torch.load(latest_checkpoint(out) / "state.pt", weights_only=False)
-    assert state["chunk_layout"] == profile["chunks"]
+    state = load_checkpoint(out)
+    assert state["run"]["chunk_layout"] == profile["chunks"]
 
     # The exported model is a diffusers directory with the sampling defaults of the base.
     exported = FluxPolicy.from_pretrained(out / "final_model")
@@ -193,7 +193,7 @@ def test_lora_with_reference_kl_and_merged_export(tiny_flux, tmp_path):
     out = run(cfg)
     records = read_metrics(out / "metrics.jsonl")
     assert "ref_kl" in records[0] and records[0]["optimizer_steps"] == 1
-    state = torch.load(latest_checkpoint(out) / "state.pt", weights_only=False)
+    state = load_checkpoint(out)
     assert state["model"] and all("lora" in name for name in state["model"])
     # The merged export computes what base + adapters computed.
     trained = FluxPolicy.from_pretrained(model)

@@ -147,8 +147,8 @@ def test_trainer_runs_g2rpo_on_policy_and_resumes_exactly(tiny_flux, tmp_path):
     for r in records:
         assert r["ratio_mean"] == 1.0  # one optimizer step per iteration: exactly on-policy
         assert r["chunks_trained"] in {"0", "1", "2", "3"} and "reward_mean_stride3" in r
-    state = load_checkpoint(straight, restore_rng=False)
-    assert state["chunk_layout"] == [1, 1, 1, 1]  # step level: chunk j is branch step j
+    state = load_checkpoint(straight)
+    assert state["run"]["chunk_layout"] == [1, 1, 1, 1]  # step level: chunk j is branch step j
 
     def kill_at_2(step, metrics):
         if step == 2:

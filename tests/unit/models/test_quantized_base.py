@@ -29,7 +29,7 @@ from chunk_grpo.plan.quantized import (
     quantized_base_bytes,
     quantized_layers,
 )
-from chunk_grpo.train.checkpoint import latest_checkpoint
+from chunk_grpo.train.checkpoint import latest_checkpoint, load_checkpoint
 from chunk_grpo.train.loop import run
 from chunk_grpo.train.metrics import read_metrics
 
@@ -114,9 +114,8 @@ def test_nf4_lora_run_trains_and_exports_the_dequantized_merged_base(tmp_path, m
     assert [r["step"] for r in records] == [1, 2]
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records)
     assert all(r[k] == 1.0 for r in records for k in r if k.endswith("/ratio_mean"))
-    first = torch.load(out / "checkpoints" / "step-00000001" / "state.pt",
-                       weights_only=False)["model"]
-    last = torch.load(latest_checkpoint(out) / "state.pt", weights_only=False)["model"]
+    first = load_checkpoint(out / "checkpoints" / "step-00000001")["model"]
+    last = load_checkpoint(latest_checkpoint(out))["model"]
     assert first and all("lora_" in n and v.dtype == torch.float32 for n, v in last.items())
     assert any(not torch.equal(first[n], last[n]) for n in last)  # the adapters moved
 

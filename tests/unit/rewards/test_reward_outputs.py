@@ -175,7 +175,7 @@ def test_a_reward_failing_mid_run_stops_in_one_line_naming_the_intact_checkpoint
     assert stop.value.code == 2
     assert "reward 'test_call_counting' raised RuntimeError while scoring 8 images" in err
     assert f"the run stopped at step 2, its last checkpoint {kept} is intact" in err
-    assert load_checkpoint(kept, restore_rng=False)["step"] == 1
+    assert load_checkpoint(kept)["run"]["step"] == 1
 
 
 def test_diverged_run_names_a_checkpoint_that_exists_or_none(tiny_flux, tmp_path):
@@ -191,7 +191,7 @@ def test_diverged_run_names_a_checkpoint_that_exists_or_none(tiny_flux, tmp_path
         run(cfg)
     named = str(err.value).split("its last checkpoint ")[1].split(" is intact")[0]
     assert named.endswith("step-00000001")
-    assert load_checkpoint(named, restore_rng=False)["step"] == 1
+    assert load_checkpoint(named)["run"]["step"] == 1
 
 
 def test_a_reward_calling_sys_exit_is_a_reward_error_not_the_end_of_the_run():

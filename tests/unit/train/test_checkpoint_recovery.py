@@ -1,5 +1,5 @@
 """Checkpoints: a damaged latest checkpoint (or pointer) falls back to the newest intact one, in
-one line; NaN weights are never saved; a full disk says so and keeps the previous checkpoint."""
+one line; a full disk says so and keeps the previous checkpoint."""
 
 import errno
 import json
@@ -17,20 +17,22 @@ from chunk_grpo.train.checkpoint import (
     find_resumable,
     latest_checkpoint,
     load_checkpoint,
-    nonfinite_tensors,
     save_checkpoint,
 )
+
+SHARD = "__0_0.distcp"  # DCP's file of a one-process checkpoint
 
 
 def _two_checkpoints(tmp_path):
     for step in (1, 2):
-        save_checkpoint(tmp_path, step, {"w": torch.full((64,), float(step))}, keep=2)
+        save_checkpoint(tmp_path, step, {"w": torch.full((64,), float(step)), "step": step},
+                        keep=2)
     return tmp_path / "checkpoints"
 
 
 def _damage(root, how):
     latest = root / "step-00000002"
-    state = latest / "state.pt"
+    state = latest / SHARD
     if how == "truncated":
         data = state.read_bytes()
         state.write_bytes(data[: len(data) // 2])
@@ -64,7 +66,7 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint(tmp_path, how):
     found = find_resumable(tmp_path, report=lines.append)
     assert found.name == expected
     assert len(lines) == 1 and message in lines[0] and expected in lines[0]
-    state = load_checkpoint(found, restore_rng=False)  # the intact one loads, with its values
+    state = load_checkpoint(found)  # the intact one loads, with its values
     assert state["step"] == int(expected[-1]) and float(state["w"][0]) == state["step"]
 
 
@@ -73,25 +75,19 @@ def test_intact_checkpoints_resume_silently_and_match_their_manifest(tmp_path):
     lines = []
     assert find_resumable(tmp_path, report=lines.append).name == "step-00000002" and not lines
     manifest = json.loads((root / "step-00000002" / "manifest.json").read_text())
-    assert manifest["files"]["state.pt"]["bytes"] == (root / "step-00000002" / "state.pt"
-                                                      ).stat().st_size
+    assert manifest["format"] == "dcp" and set(manifest["files"]) == {SHARD, ".metadata"}
+    assert manifest["files"][SHARD]["bytes"] == (root / "step-00000002" / SHARD).stat().st_size
     assert checkpoint_problem(root / "step-00000001") is None
 
 
 def test_no_intact_checkpoint_is_one_clear_error(tmp_path):
     root = _two_checkpoints(tmp_path)
     for step in ("step-00000001", "step-00000002"):
-        (root / step / "state.pt").write_bytes(b"")
+        (root / step / SHARD).write_bytes(b"")
     with pytest.raises(CheckpointError, match="no intact checkpoint .* step-00000002 .*empty"):
         load_checkpoint(tmp_path)
     with pytest.raises(CheckpointError, match="checkpoint .*step-00000001 is damaged"):
         load_checkpoint(root / "step-00000001")
-
-
-def test_nonfinite_tensors_are_named():
-    state = {"a": torch.ones(3), "b": torch.tensor([1.0, float("nan")]),
-             "c": torch.tensor([float("inf")]), "n": torch.tensor([1, 2])}
-    assert nonfinite_tensors(state) == ["b", "c"]
 
 
 Usage = namedtuple("Usage", "total used free")
@@ -119,12 +115,12 @@ def test_a_disk_filling_up_mid_write_is_reported(tmp_path, monkeypatch, failure)
     def fail(*args, **kwargs):
         raise failure
 
-    monkeypatch.setattr(ckpt.torch, "save", fail)
+    monkeypatch.setattr(ckpt.torch, "save", fail)  # DCP serialises every entry with it
     with pytest.raises(DiskFullError, match="no space left on device"):
         save_checkpoint(tmp_path, 2, {"w": torch.zeros(10)})
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest",
                                                                            "step-00000001"]
-    assert load_checkpoint(tmp_path, restore_rng=False)["step"] == 1
+    assert load_checkpoint(tmp_path)["w"].sum() == 0
 
 
 class _FakeCuda:
@@ -180,3 +176,11 @@ def test_a_device_without_a_saved_cuda_rng_state_keeps_its_own(monkeypatch):
     assert ckpt.set_rng_state(state).endswith("2 GPU(s), 4 visible here: device 3 has none and "
                                               "keeps its seeded state")
     assert fake.restored == []
+
+
+def test_a_checkpoint_without_a_run_state_is_not_resumed(tmp_path):
+    from chunk_grpo.train.run_checkpoint import find_run_checkpoint
+
+    _two_checkpoints(tmp_path)
+    with pytest.raises(CheckpointError, match="step-00000002 holds no trainer's run state"):
+        find_run_checkpoint(tmp_path)

@@ -1,7 +1,7 @@
-"""Sharded (DCP) checkpoints: saved by 2 FSDP ranks, resumed on 2 ranks (FSDP and DDP) and on
-one plain process with the same weights and optimizer state; the final export is gathered to
-the CPU as bf16 safetensors that diffusers loads; resuming at another world size keeps the
-global batch or says why it cannot."""
+"""Checkpoints across world sizes: saved by 2 FSDP ranks (each its own shards), resumed on 2
+ranks (FSDP and DDP) and on one plain process with the same weights and optimizer state; the
+final export is gathered to the CPU as bf16 safetensors that diffusers loads; resuming at another
+world size keeps the global batch or says why it cannot."""
 
 from __future__ import annotations
 
@@ -30,19 +30,17 @@ from chunk_grpo.runtime.parallelize import parallelize_transformer, trainable_pa
 from chunk_grpo.train.checkpoint import (
     CheckpointError,
     DiskFullError,
+    ModelState,
+    OptimizerState,
     find_resumable,
     latest_checkpoint,
+    read_checkpoint,
+    restore_checkpoint,
+    save_checkpoint,
+    select_checkpoint,
 )
-from chunk_grpo.train.export import LORA_FILE, export_targets
-from chunk_grpo.train.sharded_checkpoint import (
-    SHARDS,
-    WorldSizeError,
-    export_full_model,
-    load_sharded_checkpoint,
-    read_trainer_state,
-    resume_batch_plan,
-    save_sharded_checkpoint,
-)
+from chunk_grpo.train.export import LORA_FILE, export_full_model, export_targets
+from chunk_grpo.train.run_checkpoint import WorldSizeError, resume_batch_plan
 
 
 def full_optimizer_state(model, optimizer) -> dict:
@@ -52,6 +50,21 @@ def full_optimizer_state(model, optimizer) -> dict:
                    for k, v in entry.items()} for name, entry in state["state"].items()}
 
 
+def save_model(run_dir, step, model, optimizer, run: dict, **extra) -> None:
+    save_checkpoint(run_dir, step, {"model": ModelState(model),
+                                    "optimizer": OptimizerState(model, optimizer), "run": run,
+                                    **extra})
+
+
+def load_model(path, model, optimizer, **extra) -> dict:
+    """Load a checkpoint (or a run's newest intact one) into ``model`` and ``optimizer`` (and
+    ``extra`` tensors) in place; its "run" values."""
+    path = select_checkpoint(path)
+    restore_checkpoint(path, {"model": ModelState(model),
+                              "optimizer": OptimizerState(model, optimizer), **extra})
+    return read_checkpoint(path, ("run",))["run"]
+
+
 def save_on_two_ranks(rank, world, tmp, run_dir):
     """2 optimizer steps under FSDP (LoRA), a sharded checkpoint, then the bf16 exports."""
     model = build_transformer(True)
@@ -59,7 +72,7 @@ def save_on_two_ranks(rank, world, tmp, run_dir):
     params = trainable_parameters(call)
     optimizer = make_optimizer(params)
     train(call, params, rank, world, optimizer=optimizer, steps=range(2))
-    save_sharded_checkpoint(run_dir, 2, call, optimizer, {"scheduler": {"last": 2}})
+    save_model(run_dir, 2, call, optimizer, {"scheduler": "last 2", "rank": {f"{rank}": rank}})
     pipeline = build_tiny_flux_pipeline(["red", "cat"], **TINY_SIZES)
     written = export_full_model(pipeline, call, export_targets(run_dir, ["auto", "transformer"],
                                                                lora=True))
@@ -75,7 +88,7 @@ def resume_on_two_ranks(rank, world, tmp, run_dir):
         model = build_transformer(True)
         call = parallelize_transformer(model, mode=mode, device="cpu", param_dtype=None)
         optimizer = make_optimizer(trainable_parameters(call))
-        trainer = load_sharded_checkpoint(run_dir, call, optimizer)
+        trainer = load_model(run_dir, call, optimizer)
         loaded[mode] = (full_trainable_state(call), full_optimizer_state(call, optimizer),
                         trainer)
     # the export from the DDP wrapper (the resumed weights): gathered the same way
@@ -111,9 +124,9 @@ def test_checkpoint_is_sharded_with_a_manifest(saved):
     assert path.name == "step-00000002" and find_resumable(run_dir) == path
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["format"] == "dcp" and manifest["world_size"] == 2
-    shards = sorted(p.name for p in (path / SHARDS).glob("*.distcp"))
+    shards = sorted(p.name for p in path.glob("*.distcp"))
     assert len(shards) == 2  # one file per rank, nothing gathered on rank 0
-    assert set(manifest["files"]) >= {f"{SHARDS}/{name}" for name in shards}
+    assert set(manifest["files"]) == {*shards, ".metadata"}
     assert not list((run_dir / "checkpoints").glob(".tmp-*"))
     # the two ranks hold the same (global) view of the trained weights
     assert_same_state(states[1], states[0])
@@ -125,7 +138,8 @@ def test_two_rank_checkpoint_resumes_on_two_ranks(saved, tmp_path):
     for mode, (params, optim, trainer) in run_ranks(resume_on_two_ranks, 2, tmp_path,
                                                     run_dir)[1].items():
         assert_same_state((params, optim), states[0]), mode
-        assert trainer["scheduler"] == {"last": 2} and trainer["world_size"] == 2
+        # plain values: one copy of equal ones, each rank's own under its own name
+        assert trainer == {"scheduler": "last 2", "rank": {"0": 0, "1": 1}}
     name = "transformer/diffusion_pytorch_model.safetensors"
     ddp_export = next(tmp_path.glob("ranks-*/final_ddp")) / name
     assert ddp_export.read_bytes() == (run_dir / "final_model" / name).read_bytes()
@@ -136,16 +150,18 @@ def test_two_rank_checkpoint_resumes_on_one_process(saved):
     run_dir, states = saved
     model = build_transformer(True, seed=1)
     optimizer = make_optimizer(trainable_parameters(model))
-    trainer = load_sharded_checkpoint(run_dir, model, optimizer)
+    trainer = load_model(run_dir, model, optimizer)
     assert_same_state((full_trainable_state(model), full_optimizer_state(model, optimizer)),
                       states[0])
-    assert trainer["step"] == 2
-    assert read_trainer_state(run_dir)["world_size"] == 2  # before any model is built
-    with pytest.raises(CheckpointError, match="not a sharded checkpoint"):
-        read_trainer_state(run_dir / "final_model")
+    assert trainer["scheduler"] == "last 2"
+    # before any model is built: every tensor in full, from the metadata alone
+    assert read_checkpoint(latest_checkpoint(run_dir), ("model",))["model"].keys() == (
+        states[0][0].keys())
+    with pytest.raises(CheckpointError, match="no checkpoint in"):
+        select_checkpoint(run_dir / "final_model")
     full = build_transformer(False)  # full fine-tuning: not the weights the checkpoint trains
     with pytest.raises(CheckpointError, match="another LoRA / model configuration"):
-        load_sharded_checkpoint(run_dir, full, make_optimizer(trainable_parameters(full)))
+        load_model(run_dir, full, make_optimizer(trainable_parameters(full)))
 
 
 @pytest.mark.slow
@@ -199,14 +215,13 @@ def test_a_damaged_shard_is_refused_and_skipped(saved, tmp_path):
     run_dir, _ = saved
     copy = tmp_path / "copy"
     shutil.copytree(run_dir, copy)
-    shard = next((latest_checkpoint(copy) / SHARDS).glob("*.distcp"))
+    shard = next(latest_checkpoint(copy).glob("*.distcp"))
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size: only the sha256 sees it
     shard.write_bytes(bytes(data))
     model = build_transformer(True)
     with pytest.raises(CheckpointError, match="does not match its manifest"):
-        load_sharded_checkpoint(latest_checkpoint(copy), model,
-                                make_optimizer(trainable_parameters(model)))
+        load_model(latest_checkpoint(copy), model, make_optimizer(trainable_parameters(model)))
     shard.write_bytes(bytes(data[:-10]))  # truncated: resuming finds no intact checkpoint
     with pytest.raises(CheckpointError, match="truncated"):
         find_resumable(copy)
@@ -244,15 +259,15 @@ def test_one_process_save_and_a_full_disk_keeps_the_previous(tmp_path, monkeypat
     optimizer = make_optimizer(params)
     train(model, params, 0, 1, optimizer=optimizer, steps=range(1))
     shadow = {"w": torch.arange(6.0).view(2, 3)}  # e.g. EMA weights, saved like the model's
-    first = save_sharded_checkpoint(tmp_path, 1, model, optimizer, {"n": 1},
-                                    extra={"ema": shadow})
-    assert read_trainer_state(tmp_path)["world_size"] == 1
+    save_model(tmp_path, 1, model, optimizer, {"n": 1}, ema=shadow)
+    first = latest_checkpoint(tmp_path)
+    assert json.loads((first / "manifest.json").read_text())["world_size"] == 1
     restored = {"w": torch.zeros(2, 3)}
-    assert load_sharded_checkpoint(tmp_path, model, optimizer, extra={"ema": restored})["n"] == 1
+    assert load_model(tmp_path, model, optimizer, ema=restored)["n"] == 1
     assert torch.equal(restored["w"], shadow["w"])
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1000))
     with pytest.raises(DiskFullError, match="needs about .* the previous checkpoint .* is kept"):
-        save_sharded_checkpoint(tmp_path, 2, model, optimizer, {"n": 2})
+        save_model(tmp_path, 2, model, optimizer, {"n": 2})
     assert latest_checkpoint(tmp_path) == first
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
