@@ -108,14 +108,15 @@ def test_flux_dev_preset_runs_one_iteration_on_cpu(tmp_path, ranks):
     # The preset's settings reached the run, the overrides only where given.
     saved = load_saved_config(out / "config.yaml")
     preset = build_config(PRESET)
-    for key in ("group_size", "micro_batch_size", "grad_accum", "parallelism", "weights_dtype",
-                "num_steps", "rollout_batch_size", "shift", "dynamic_shift", "sde_kind", "eta",
-                "cfg_scale",
-                "prompts_per_step", "sde_window", "chunks", "chunk_fraction", "weighted_chunks",
-                "clip_low", "clip_high", "lr", "max_grad_norm", "lora_rank",
-                "gradient_checkpointing", "mixed_precision", "eval_hybrid_steps"):
+    for key in ("sampling.group_size", "optim.micro_batch_size", "optim.grad_accum",
+                "parallel.mode", "model.weights_dtype", "sampling.steps", "sampling.batch_size",
+                "sampling.shift", "sampling.dynamic_shift", "sampling.sde", "sampling.eta",
+                "sampling.cfg_scale", "sampling.prompts_per_step", "sampling.sde_window",
+                "chunks.spec", "chunks.fraction", "chunks.weighted", "loss.clip_low",
+                "loss.clip_high", "optim.lr", "optim.max_grad_norm", "model.lora_rank",
+                "model.gradient_checkpointing", "model.mixed_precision", "eval.hybrid_steps"):
         assert saved.get(key) == preset.get(key), key
-    assert (saved.get("height"), saved.get("width"), saved.get("device")) == (64, 64, "cpu")
+    assert (saved.model.height, saved.model.width, saved.run.device) == (64, 64, "cpu")
 
     records = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in records] == [1]

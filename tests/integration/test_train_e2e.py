@@ -51,7 +51,7 @@ def test_cli_two_steps_auto_chunks_and_export(tmp_path):
           "--eval.hybrid_steps", "2", "--run.image_grid_every", "1", "--run.progress", "false",
           "--optim.lr", "1e-3"])
     saved = load_saved_config(out / "config.yaml")
-    assert saved.get("num_steps") == 6 and saved.get("chunks") == "auto"
+    assert saved.get("sampling.steps") == 6 and saved.get("chunks.spec") == "auto"
     profile = json.loads((out / "profile.json").read_text())
     assert len(profile["l1rel"]) == 6 and sum(profile["chunks"]) == 5  # T-1 trained steps
     assert (out / "profile.png").stat().st_size > 0
@@ -124,7 +124,7 @@ def test_cli_trains_on_a_users_reward_module_and_resumes_with_it(tmp_path, monke
               "--run.image_grid_every", "0", "--run.progress", "false", "--run.checkpoint_every",
               "1", "--eval.hybrid_steps", "2"]
     main([*common, "--reward.name", "user_rewards_e2e:test_user_darkness", "--run.max_steps", "1"])
-    assert load_saved_config(out / "config.yaml").get("reward") == (
+    assert load_saved_config(out / "config.yaml").get("reward.name") == (
         "user_rewards_e2e:test_user_darkness")
     main(["--resume", str(out), "--run.max_steps", "2"])
     records = read_metrics(out / "metrics.jsonl")

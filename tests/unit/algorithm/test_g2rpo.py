@@ -139,7 +139,7 @@ def test_trainer_runs_g2rpo_on_policy_and_resumes_exactly(tmp_path):
     settings = {"sampling.algorithm": "g2rpo", "sampling.shared_noise": True,
                 "sampling.g2rpo_granularities": "1,3", "run.max_steps": 3,
                 "run.checkpoint_every": 1, "optim.lr": 3e-3}
-    straight = run(tiny_config(model, tmp_path / "a", **settings))
+    straight = run(tiny_config(model, tmp_path / "a", settings))
     records = read_metrics(straight / "metrics.jsonl")
     for r in records:
         assert r["ratio_mean"] == 1.0  # one optimizer step per iteration: exactly on-policy
@@ -152,8 +152,8 @@ def test_trainer_runs_g2rpo_on_policy_and_resumes_exactly(tmp_path):
             raise Killed
 
     with pytest.raises(Killed):
-        run(tiny_config(model, tmp_path / "b", **settings), on_step_end=kill_at_2)
-    resumed = run(tiny_config(model, tmp_path / "b", **settings), run_dir=tmp_path / "b",
+        run(tiny_config(model, tmp_path / "b", settings), on_step_end=kill_at_2)
+    resumed = run(tiny_config(model, tmp_path / "b", settings), run_dir=tmp_path / "b",
                   resume=True)
     assert without_times(read_metrics(resumed / "metrics.jsonl")) == without_times(records)
 
