@@ -39,6 +39,12 @@ def literal_choices(hint: Any) -> tuple | None:
     return None
 
 
+def yaml_word_note(value: Any) -> str:
+    """The hint for a boolean where a word was meant: YAML reads ``no`` as false."""
+    return (" (YAML reads an unquoted yes, no, on or off as true or false: quote the word)"
+            if isinstance(value, bool) else "")
+
+
 def check_section(section: Any, name: str, *, at_least: Mapping[str, int] = {},
                   positive: Iterable[str] = (), non_negative: Iterable[str] = (),
                   unit_interval: Iterable[str] = ()) -> None:
@@ -49,7 +55,7 @@ def check_section(section: Any, name: str, *, at_least: Mapping[str, int] = {},
         choices = literal_choices(hint)
         if choices is not None and value not in choices and value is not None:
             raise ConfigError(f"{name}.{key} must be one of {', '.join(map(str, choices))}; "
-                              f"got {value!r}")
+                              f"got {value!r}{yaml_word_note(value)}")
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{name}.{key} must be a finite number, got {value}")
     for key, low in at_least.items():

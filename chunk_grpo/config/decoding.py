@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import draccus
 from draccus.utils import DecodingError, DraccusException, ParsingError
 
-from chunk_grpo.config.checks import field_types, section_names
+from chunk_grpo.config.checks import field_types, section_names, yaml_word_note
 from chunk_grpo.config.describe import type_name
 from chunk_grpo.config.errors import ConfigError
 from chunk_grpo.config.reward_spec import RewardSpecError, format_reward_spec, parse_reward_spec
@@ -111,7 +111,8 @@ def _config_error(err: Exception, cls: type, data: Mapping[str, Any]) -> ConfigE
         section, key = err.key_path
         hint = field_types(section_names(cls)[section])[key]
         value = data[section][key]
-        return ConfigError(f"{section}.{key} must be {_a(type_name(hint))}, got {value!r}")
+        return ConfigError(f"{section}.{key} must be {_a(type_name(hint))}, got {value!r}"
+                           f"{yaml_word_note(value)}")
     return ConfigError(" ".join(str(err).split()))
 
 

@@ -119,7 +119,7 @@ class ConfigArgumentParser(OneLineArgumentParser):
     def __init__(self, config_class: type, prog: str, description: str, usage: str) -> None:
         super().__init__(prog=prog, description=description, usage=usage, allow_abbrev=False,
                          formatter_class=_HelpFormatter)
-        self.config_class, self.config_dests = config_class, set()
+        self.config_class, self.config_dests = config_class, {}
         defaults = config_class()
         for section, cls in section_names(config_class).items():
             group = self.add_argument_group(section, (cls.__doc__ or "").strip())
@@ -130,7 +130,7 @@ class ConfigArgumentParser(OneLineArgumentParser):
                 text = "; ".join(p for p in (comments.get(key, ""), f"default {default}") if p)
                 group.add_argument(f"--{path}", dest=path, default=argparse.SUPPRESS,
                                    metavar=_metavar(hint), help=text.replace("%", "%%"))
-                self.config_dests.add(path)
+                self.config_dests[path] = hint
 
     def parse(self, argv: list[str] | None) -> tuple[dict[str, Any], dict[str, Any]]:
         """({own flag: value}, {dotted key: value as YAML reads it}); a bad flag is a
@@ -157,8 +157,25 @@ class ConfigArgumentParser(OneLineArgumentParser):
                                   "VALUE (see --help)")
             raise unknown_key(self.config_class, key, "the command line")
         values = vars(values)
-        config = {k: parse_string(values.pop(k)) for k in list(values) if k in self.config_dests}
+        config = {k: _flag_value(self.config_dests[k], values.pop(k))
+                  for k in list(values) if k in self.config_dests}
         return values, config
+
+
+def _flag_value(hint: Any, text: str) -> Any:
+    """A flag's value as YAML reads it, but a word for a text field stays the word: YAML reads
+    ``no`` and ``on`` as booleans (``--model.mixed_precision no``, ``--reward.name on``)."""
+    value = parse_string(text)
+    if isinstance(value, bool) and _takes_text(hint):
+        return text
+    return value
+
+
+def _takes_text(hint: Any) -> bool:
+    choices = literal_choices(hint)
+    if choices is not None:
+        return all(isinstance(c, str) for c in choices)
+    return hint is str or str in typing.get_args(hint)
 
 
 def _metavar(hint: Any) -> str:

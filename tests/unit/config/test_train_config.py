@@ -107,6 +107,8 @@ def test_sde_window_sets_the_trained_transitions():
         ({"optim.micro_batch_size": 0}, "optim.micro_batch_size must be >= 1"),
         ({"model.mixed_precision": "fp16"}, "model.mixed_precision must be one of auto, no, "
                                             "bf16, got 'fp16'"),
+        ({"model.mixed_precision": False}, "got False \\(YAML reads an unquoted yes, no, on or "
+                                           "off as true or false: quote the word\\)"),
         ({"parallel.reduce_dtype": "fp16"}, "parallel.reduce_dtype must be one of fp32, bf16"),
         ({"parallel.reduce_dtype": "bf16"},
          "parallel.reduce_dtype bf16 needs parallel.mode: fsdp .*; set it to fp32 or use fsdp"),
@@ -304,6 +306,9 @@ def test_dotted_flags_in_both_forms():
     with pytest.raises(ConfigError, match=r"unknown config key 'lr'.*did you mean 'optim.lr'"):
         parse_args(["--lr", "1"])
     assert parse_args(["--optim.max-grad-norm", "0.5"])[1] == {"optim.max_grad_norm": 0.5}
+    # a word stays a word where the key takes text, though YAML reads `no` as false
+    assert parse_args(["--model.mixed_precision", "no", "--run.progress", "no"])[1] == {
+        "model.mixed_precision": "no", "run.progress": False}
     with pytest.raises(ConfigError, match="^optim.lr is given twice on the command line"):
         parse_args(["--optim.lr", "1", "--optim.lr=2"])
 
