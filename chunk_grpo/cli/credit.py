@@ -53,13 +53,13 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> dict[str, list[floa
     from chunk_grpo.config.cli_args import resolve_device
     from chunk_grpo.data.prompts import load_prompts
     from chunk_grpo.runtime.precision import resolve_mixed_precision
-    from chunk_grpo.train.setup import load_checked_policy, resolve_reward, sampling_shift
+    from chunk_grpo.train.setup import load_policy, resolve_reward, sampling_shift
 
     device = resolve_device(cfg.run.device)
     reward = resolve_reward(cfg, device)  # first: a misspelt reward fails before the model loads
     check_writable_dir(own["out"], "--out")
     prompts = load_prompts(cfg.data.train_prompts)[:own["prompts"]]
-    policy = load_checked_policy(cfg, device)
+    policy = load_policy(cfg, device)
     s, shift = cfg.sampling, sampling_shift(cfg, policy)
     precision = resolve_mixed_precision(cfg.model.mixed_precision, device).mode
     result = reward_spread_by_step(

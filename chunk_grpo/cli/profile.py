@@ -50,12 +50,12 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> ChunkLayout:
     from chunk_grpo.data.prompts import load_prompts
     from chunk_grpo.runtime.precision import resolve_mixed_precision
     from chunk_grpo.train.plots import save_profile
-    from chunk_grpo.train.setup import load_checked_policy, sampling_shift
+    from chunk_grpo.train.setup import load_policy, sampling_shift
 
     device = resolve_device(cfg.run.device)
     check_writable_dir(own["out"], "--out")
     prompts = load_prompts(cfg.data.train_prompts)[:cfg.chunks.profile_prompts]
-    policy = load_checked_policy(cfg, device)
+    policy = load_policy(cfg, device)
     steps, shift = cfg.sampling.steps, sampling_shift(cfg, policy)
     curve = measure_dynamics(
         policy, prompts, num_steps=steps, shift=shift, cfg_scale=cfg.sampling.cfg_scale,
