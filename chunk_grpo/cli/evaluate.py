@@ -117,8 +117,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> EvalResult:
     policy = FluxPolicy.from_pretrained(model_path(model.name), device=device)
     try:
         apply_sampling_size(policy, model.height, model.width, source=model_path(model.name),
-                            found_file=policy.sampling_file_found,
-                            how="model.height and model.width (--model.height H --model.width W)")
+                            found_file=policy.sampling_file_found)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     steps = s.steps if s.steps is not None else policy.defaults.num_steps

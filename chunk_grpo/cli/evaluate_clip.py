@@ -34,16 +34,17 @@ def evaluate_clip_parser(prog: str = PROG) -> ConfigArgumentParser:
     p = ConfigArgumentParser(EvaluateClipConfig, prog, DESCRIPTION,
                              "%(prog)s [--clip DIR] [--section.key VALUE ...] [--out FILE]",
                              renamed=RENAMED)
-    p.add_argument("--clip", default=str(SHIPPED_CLIP), help="CLIP directory")
-    p.add_argument("--renders", type=positive_int, default=1024,
+    p.add_argument("--clip", default=str(SHIPPED_CLIP), metavar="DIR", help="CLIP directory")
+    p.add_argument("--renders", type=positive_int, default=1024, metavar="N",
                    help="held-out renders for retrieval")
-    p.add_argument("--group", type=positive_int, default=32,
+    p.add_argument("--group", type=positive_int, default=32, metavar="N",
                    help="text->image: images per group")
-    p.add_argument("--num-prompts", type=nonnegative_int, default=64,
+    p.add_argument("--num-prompts", type=nonnegative_int, default=64, metavar="N",
                    help="generated images' prompts; 0 skips the generated images")
-    p.add_argument("--images-per-prompt", type=positive_int, default=1,
+    p.add_argument("--images-per-prompt", type=positive_int, default=1, metavar="N",
                    help="generated images per prompt")
-    p.add_argument("--out", type=Path, default=None, help="also write the metrics to this JSON")
+    p.add_argument("--out", type=Path, default=None, metavar="FILE",
+                   help="also write the metrics to this JSON")
     add_verbose(p)
     return p
 
