@@ -86,8 +86,10 @@ def config_reference() -> str:
         f"Generated from `chunk_grpo/config/schema.py` by `{REGENERATE}`; do not edit by hand.",
         "",
         "Every key is `section.key`: a flag `--section.key VALUE` of `train` (and of `plan`,",
-        "`cache_prompts`, `gradient_snr`, `ablate`), a nested or dotted key in a YAML file given",
-        "with `--config`. Precedence: these defaults, then the YAML file, then the flags.",
+        "`cache_prompts`, `gradient_snr`, `ablate`, `credit`, `profile`), a nested or dotted key",
+        "in a YAML file given with `--config`. Precedence: these defaults, then the YAML file,",
+        "then the flags. `evaluate`, `evaluate_clip` and `reward_server` take the keys they use",
+        "under the same names, with defaults of their own ([commands](cli.md)).",
         "`configs/default.yaml` spells out every default. How to write a config:",
         "[the configuration guide](../guides/configuration.md).",
         "",
@@ -192,26 +194,51 @@ def _describe(parser: argparse.ArgumentParser) -> list[str]:
     return ["```text", text.replace(str(ROOT) + os.sep, ""), "```", ""]
 
 
+class _Dotted:
+    """A config's values by dotted key."""
+
+    def __init__(self, cfg: Any):
+        self.cfg = cfg
+
+    def get(self, path: str) -> Any:
+        section, _, key = path.partition(".")
+        return getattr(getattr(self.cfg, section), key)
+
+
 def command_reference(name: str, module: str, summary: str) -> list[str]:
-    from chunk_grpo.config.schema import SECTIONS
+    from chunk_grpo.config.checks import section_names
+    from chunk_grpo.config.describe import yaml_value
+    from chunk_grpo.config.schema import SECTIONS, TrainConfig
 
     parser = command_parser(module)
     out = [f"## {name}", "", f"{summary[0].upper()}{summary[1:]}.", "",
            f"    {_usage(parser)}", ""]
     out += _describe(parser)
     sections = False
+    # A command on the training config: its keys are config.md's. A command config of its own
+    # (chunk_grpo.config.commands): its sections are listed here, each under its name.
+    train_keys = getattr(parser, "config_class", None) is TrainConfig
+    own_sections = section_names(parser.config_class) if hasattr(parser, "config_class") else {}
+    parser_keys = getattr(parser, "config_dests", set())
+    defaults = _Dotted(parser.config_class()) if own_sections else None
     for group in parser._action_groups:
         actions = [a for a in group._group_actions
                    if a.help is not argparse.SUPPRESS and not isinstance(a, argparse._HelpAction)]
-        if group.title in SECTIONS:
+        if group.title in SECTIONS and train_keys:
             sections = True
             continue
         if not actions:
             continue
+        if group.title in own_sections:
+            out += [f"`{group.title}`: {inspect.cleandoc(group.description or '')}", ""]
         out += ["| flag | value | default | what it does |", "|---|---|---|---|"]
         for a in actions:
-            out.append(f"| `{', '.join(a.option_strings) or a.dest}` | {_value(a)} | "
-                       f"{_default(a)} | {_cell(_expand_help(a, parser.prog))} |")
+            value, default, text = _value(a), _default(a), _expand_help(a, parser.prog)
+            if a.dest in parser_keys:  # a key: its default in the column, not in the text
+                text = text.rpartition("default ")[0].rstrip("; ")
+                default = f"`{_cell(yaml_value(defaults.get(a.dest)))}`"
+            out.append(f"| `{', '.join(a.option_strings) or a.dest}` | {_cell(value)} | "
+                       f"{default} | {_cell(text)} |")
         out.append("")
     if sections:
         out += ["Every configuration key is also a flag, `--section.key VALUE`: see",

@@ -83,7 +83,7 @@ CELL_KEYS = tuple(_CHUNK_GRPO)
 
 # The ablation's base on top of the trainer's defaults; flags passed through override these.
 # The reward is JPEG compressibility alone, the reward its measured results use
-# (docs/results/ablation.md); a --reward flag replaces it.
+# (docs/results/ablation.md); a --reward.name flag replaces it.
 ABLATION_DEFAULTS: dict[str, Any] = {
     "sampling.sde_window": 0, "run.checkpoint_every": 1, "run.image_grid_every": 0,
     "run.progress": False,  # one bar: the ablation's

@@ -1,82 +1,77 @@
 """The temporal-dynamics profile: how fast latents change at each step, and chunks from it.
 
-    chunk-grpo profile [--model PATH] [--num-steps 16] [--prompts 16] [--out DIR]
+    chunk-grpo profile [--config YAML] [--section.key VALUE ...] [--out DIR]
 
-prints L1rel(t) = mean|x_{t+1} - x_t| / (mean|x_t| + 1e-8) per transition (averaged over prompts,
-on the base model), the proposed chunk sizes, and saves DIR/profile.json and DIR/profile.png.
-The measurement itself is library code: `chunk_grpo.algorithm.dynamics`.
+It profiles what the training config would (the flags and --config of chunk-grpo train): the
+first chunks.profile_prompts prompts of data.train_prompts, sampled with the ODE in
+sampling.steps steps, and prints L1rel(t) = mean|x_{t+1} - x_t| / (mean|x_t| + 1e-8) per
+transition, the chunks "auto" would split the trained transitions into (at most chunks.max_size
+steps each), and saves DIR/profile.json and DIR/profile.png. The measurement itself is library
+code: `chunk_grpo.algorithm.dynamics`.
 """
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from chunk_grpo.config.cli_args import (
-    EMBEDDED_MODEL_DIR,
-    OneLineArgumentParser,
-    add_size,
-    add_verbose,
-    at_least_two,
-    check_writable_dir,
-    positive_float,
-    positive_int,
-)
-from chunk_grpo.config.errors import ConfigError
+from chunk_grpo.config.cli_args import add_verbose, check_writable_dir
+from chunk_grpo.config.parsing import ConfigArgumentParser
+from chunk_grpo.config.schema import TrainConfig
 
 if TYPE_CHECKING:
     from chunk_grpo.algorithm.chunking import ChunkLayout
 
 PROG = "python -m chunk_grpo.profile"
 
+# The flags of earlier versions, for the error that names the key each became.
+RENAMED = {"prompts_file": "data.train_prompts", "prompts": "chunks.profile_prompts",
+           "num_steps": "sampling.steps", "max_chunk_size": "chunks.max_size"}
 
-def profile_parser(prog: str = PROG, description: str | None = None) -> OneLineArgumentParser:
-    p = OneLineArgumentParser(prog=prog, description=description, allow_abbrev=False,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=str(EMBEDDED_MODEL_DIR))
-    p.add_argument("--prompts-file", default="shapes:train", help="prompt set (as --train-prompts)")
-    p.add_argument("--prompts", type=positive_int, default=16, help="number of prompts")
-    p.add_argument("--num-steps", type=at_least_two, default=None)
-    p.add_argument("--shift", type=positive_float, default=None)
-    p.add_argument("--max-chunk-size", type=positive_int, default=5)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="profile")
-    add_size(p)
+
+def profile_parser(prog: str = PROG) -> ConfigArgumentParser:
+    p = ConfigArgumentParser(
+        TrainConfig, prog, __doc__.strip(),
+        "%(prog)s [--config YAML] [--section.key VALUE ...] [--out DIR]", renamed=RENAMED)
+    p.add_argument("--config", metavar="YAML",
+                   help="a training config whose chunks are profiled, e.g. configs/x.yaml")
+    p.add_argument("--out", metavar="DIR", default="profile",
+                   help="output directory (profile.json, profile.png)")
     add_verbose(p)
     return p
 
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> ChunkLayout:
-    args = profile_parser(prog, __doc__).parse_args(argv)
+    own, cfg = profile_parser(prog).parse_config(argv)
     # torch and diffusers: only once the flags are good
     from chunk_grpo.algorithm.dynamics import measure_dynamics, propose_chunks
     from chunk_grpo.algorithm.sigmas import flux_sigmas
+    from chunk_grpo.config.cli_args import resolve_device
     from chunk_grpo.data.prompts import load_prompts
-    from chunk_grpo.models import FluxPolicy
-    from chunk_grpo.models.sampling_defaults import apply_sampling_size
+    from chunk_grpo.runtime.precision import resolve_mixed_precision
     from chunk_grpo.train.plots import save_profile
+    from chunk_grpo.train.setup import load_policy, sampling_shift
 
-    check_writable_dir(args.out, "--out")
-    prompts = load_prompts(args.prompts_file)[:args.prompts]
-    policy = FluxPolicy.from_pretrained(args.model)
-    try:
-        apply_sampling_size(policy, args.height, args.width, source=args.model,
-                            found_file=policy.sampling_file_found)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    num_steps = args.num_steps or policy.defaults.num_steps
-    if num_steps < 2:
-        raise ConfigError(f"--num-steps must be >= 2 (a profile compares steps), got {num_steps}")
-    shift = args.shift if args.shift is not None else policy.defaults.shift
-    curve = measure_dynamics(policy, prompts, num_steps=num_steps, shift=shift, seed=args.seed)
-    layout = propose_chunks(curve, args.max_chunk_size)
+    device = resolve_device(cfg.run.device)
+    check_writable_dir(own["out"], "--out")
+    prompts = load_prompts(cfg.data.train_prompts)[:cfg.chunks.profile_prompts]
+    policy = load_policy(cfg, device)
+    steps, shift = cfg.sampling.steps, sampling_shift(cfg, policy)
+    curve = measure_dynamics(
+        policy, prompts, num_steps=steps, shift=shift, cfg_scale=cfg.sampling.cfg_scale,
+        seed=cfg.run.seed, batch_size=cfg.sampling.batch_size,
+        mixed_precision=resolve_mixed_precision(cfg.model.mixed_precision, device).mode)
+    layout = propose_chunks(curve, cfg.chunks.max_size, cfg.num_trained)
     print("step  sigma    L1rel")
-    sigmas = flux_sigmas(num_steps, shift)
+    sigmas = flux_sigmas(steps, shift)
     for t, v in enumerate(curve.tolist()):
-        mark = "  (not trained)" if t == num_steps - 1 else ""
+        mark = "  (not trained)" if t >= cfg.num_trained else ""
         print(f"{t:4d}  {float(sigmas[t]):.4f}  {v:.5f}{mark}")
-    print(f"proposed chunks: {','.join(str(s) for s in layout.sizes)}")
-    save_profile(curve, layout, args.out)
-    print(f"saved {Path(args.out) / 'profile.json'} and {Path(args.out) / 'profile.png'}")
+    print(f"proposed chunks: {','.join(str(s) for s in layout.sizes)} (of the "
+          f"{cfg.num_trained} trained transitions)")
+    if cfg.sampling.algorithm == "g2rpo" or cfg.chunks.spec != "auto" or cfg.chunks.size:
+        print("note: this config does not use auto chunks (chunks.spec, chunks.size or "
+              "sampling.algorithm g2rpo fix the layout); training uses its own layout")
+    save_profile(curve, layout, own["out"])
+    print(f"saved {Path(own['out']) / 'profile.json'} and {Path(own['out']) / 'profile.png'}")
     return layout

@@ -7,12 +7,14 @@ import argparse
 import sys
 
 from chunk_grpo.config.cli_args import (
-    OneLineArgumentParser,
     nonnegative_float,
     nonnegative_int,
     positive_float,
     positive_int,
 )
+from chunk_grpo.config.commands import RewardServerConfig
+from chunk_grpo.config.errors import ConfigError
+from chunk_grpo.config.parsing import ConfigArgumentParser
 
 PROG = "python -m chunk_grpo.reward_server"
 
@@ -25,16 +27,18 @@ def port_number(text: str) -> int:
     return port
 
 
-def main(argv: list[str] | None = None, prog: str = PROG) -> None:
-    p = OneLineArgumentParser(prog=prog,
-                              description="Serve a registered reward (or a mix) over HTTP.")
-    p.add_argument("--reward", required=True, help="reward spec, e.g. shapes or a=1.0,b=0.5")
+DESCRIPTION = ("Serve a registered reward (or a mix) over HTTP, for a trainer's --reward.name "
+               "remote:http://HOST:PORT.")
+
+
+def reward_server_parser(prog: str = PROG) -> ConfigArgumentParser:
+    p = ConfigArgumentParser(RewardServerConfig, prog, DESCRIPTION,
+                             "%(prog)s --reward.name SPEC --port P [--host H] [...]")
     p.add_argument("--port", type=port_number, required=True, help="TCP port (0 = a free one)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--max-batch", type=positive_int, default=32, help="images per reward call")
     p.add_argument("--batch-wait-ms", type=nonnegative_float, default=5.0,
                    help="how long to wait for more requests to batch with the first")
-    p.add_argument("--device", default="", help="the reward's device (default: its own)")
     p.add_argument("--token-file", default=None,
                    help="require 'Authorization: Bearer TOKEN', TOKEN this file's first line")
     p.add_argument("--threads", type=positive_int, default=16, help="requests handled at once")
@@ -47,7 +51,20 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> None:
     p.add_argument("--score-timeout", type=nonnegative_float, default=600.0,
                    help="seconds a request's reward may take (504; 0 = no limit)")
     p.add_argument("--verbose", action="store_true", help="log every request")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None, prog: str = PROG) -> None:
+    p = reward_server_parser(prog)
+    try:  # the command reports its own errors (it runs outside the one-line runner)
+        own, cfg = p.parse_config(argv)
+        if not cfg.reward.name:
+            raise ConfigError("--reward.name is required: the reward to serve, e.g. "
+                              "--reward.name pickscore or a mix a=1.0,b=0.5")
+    except ConfigError as err:
+        sys.stderr.write(f"{p.prog}: error: {' '.join(str(err).split())}\n")
+        raise SystemExit(2) from None
+    args = argparse.Namespace(**own, reward=cfg.reward.name, device=cfg.reward.device)
     # torch and the reward's models: only once the flags are good
     from chunk_grpo.config.reward_spec import RewardSpecError
     from chunk_grpo.rewards.outputs import RewardError

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import importlib.util
 import math
+import re
 import typing
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -69,6 +70,21 @@ def check_section(section: Any, name: str, *, at_least: Mapping[str, int] = {},
             value = getattr(section, key)
             if value is not None and bad(value):
                 raise ConfigError(f"{name}.{key} must be {rule}, got {value}")
+
+
+def check_image_size(section: Any, name: str) -> None:
+    """``height`` and ``width``: at least 16 pixels, or None for the model's own size."""
+    for key in ("height", "width"):
+        value = getattr(section, key)
+        if value is not None and value < 16:
+            raise ConfigError(f"{name}.{key} must be >= 16 pixels or null (the model's size), "
+                              f"got {value}")
+
+
+def check_reward_device(key: str, device: str, empty: str) -> None:
+    """A reward's device: "" (``empty`` says what that means), cpu, cuda or cuda:N."""
+    if not re.fullmatch(r"|cpu|cuda(:\d+)?", device):
+        raise ConfigError(f"{key} must be '' ({empty}), cpu, cuda or cuda:N; got {device!r}")
 
 
 def check_reward_spec(key: str, spec: str, also: str = "") -> None:

@@ -106,11 +106,22 @@ def add_verbose(parser: argparse.ArgumentParser) -> None:
                         help="show third-party warnings and progress bars (hidden by default)")
 
 
-def add_size(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--height", type=positive_int, default=None,
-                        help="image height (default: the model's chunk_grpo.json)")
-    parser.add_argument("--width", type=positive_int, default=None,
-                        help="image width (default: the model's chunk_grpo.json)")
+def model_path(name: str) -> str:
+    """``model.name`` as a directory or hub id: "embedded" is the tiny FLUX in the package."""
+    return str(EMBEDDED_MODEL_DIR) if name == "embedded" else name
+
+
+def resolve_device(name: str, key: str = "run.device"):
+    """``run.device`` as a torch.device: auto is cuda when one is available, else cpu. Imports
+    torch: call it once the flags are checked."""
+    import torch
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    elif name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"{key} cuda: no CUDA device is available here; give --{key} cpu "
+                          "(or auto)")
+    return torch.device(name)
 
 
 # ----------------------------------------------------------------------------- parsers

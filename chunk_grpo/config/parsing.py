@@ -116,10 +116,14 @@ class ConfigArgumentParser(OneLineArgumentParser):
     (listed by section, each with its comment, type and default), plus the command's own flags.
     `parse` returns the values as YAML reads them; draccus decodes them with the base."""
 
-    def __init__(self, config_class: type, prog: str, description: str, usage: str) -> None:
+    def __init__(self, config_class: type, prog: str, description: str, usage: str,
+                 renamed: Mapping[str, str] | None = None) -> None:
+        """``renamed``: {a former flag's key: the dotted key it became}, for the error that
+        answers an old flag (``prompts_file``: ``data.train_prompts``)."""
         super().__init__(prog=prog, description=description, usage=usage, allow_abbrev=False,
                          formatter_class=_HelpFormatter)
         self.config_class, self.config_dests = config_class, {}
+        self.renamed = dict(renamed or {})
         defaults = config_class()
         for section, cls in section_names(config_class).items():
             group = self.add_argument_group(section, (cls.__doc__ or "").strip())
@@ -155,11 +159,23 @@ class ConfigArgumentParser(OneLineArgumentParser):
                 first = next(iter(field_types(section_names(self.config_class)[key])))
                 raise ConfigError(f"--{key} is a section; set its keys, e.g. --{key}.{first} "
                                   "VALUE (see --help)")
+            if key in self.renamed:
+                raise ConfigError(f"unknown config key {key!r} in the command line; did you mean "
+                                  f"{self.renamed[key]!r}?")
             raise unknown_key(self.config_class, key, "the command line")
         values = vars(values)
         config = {k: _flag_value(self.config_dests[k], values.pop(k))
                   for k in list(values) if k in self.config_dests}
         return values, config
+
+    def parse_config(self, argv: list[str] | None) -> tuple[dict[str, Any], Any]:
+        """({own flag: value}, the checked config): its defaults, then the YAML file of
+        ``--config`` when the command has that flag and it is given, then the flags."""
+        own, overrides = self.parse(argv)
+        section_values(self.config_class, overrides, "the command line")  # a misspelt key: first
+        layers = [(load_yaml(own["config"]), str(own["config"]))] if own.get("config") else []
+        return own, merge_overrides(self.config_class(), *layers,
+                                    (overrides, "the command line"))
 
 
 def _flag_value(hint: Any, text: str) -> Any:

@@ -11,8 +11,10 @@ from typing import Literal, get_args
 
 SDEKind = Literal["flow", "dance", "cps", "cps_mse"]  # the stochastic samplers (grpo_kernels')
 DecodeTarget = Literal["final", "x0"]  # decode the final latent, or the last step's x0 prediction
+# what plain generation may use: the ODE or a stochastic kind (a test keeps it = ode + SDEKind)
+Sampler = Literal["ode", "flow", "dance", "cps", "cps_mse"]
 SDE_KINDS: tuple[str, ...] = get_args(SDEKind)
-SAMPLERS = ("ode", *SDE_KINDS)  # what plain generation may use
+SAMPLERS: tuple[str, ...] = get_args(Sampler)
 DECODE_TARGETS: tuple[str, ...] = get_args(DecodeTarget)
 
 

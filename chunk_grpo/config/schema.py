@@ -13,12 +13,17 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from chunk_grpo.config.checks import check_across_sections, check_reward_spec, check_section
+from chunk_grpo.config.checks import (
+    check_across_sections,
+    check_image_size,
+    check_reward_device,
+    check_reward_spec,
+    check_section,
+)
 from chunk_grpo.config.decoding import merge_overrides
 from chunk_grpo.config.errors import ConfigError
 from chunk_grpo.config.sampling_options import DecodeTarget, SDEKind, check_antithetic
@@ -62,11 +67,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         check_section(self, "model", at_least={"lora_rank": 0}, positive=("lora_alpha",),
                       non_negative=("guidance",))
-        for key in ("height", "width"):
-            value = getattr(self, key)
-            if value is not None and value < 16:
-                raise ConfigError(f"model.{key} must be >= 16 pixels or null (the model's size), "
-                                  f"got {value}")
+        check_image_size(self, "model")
         if self.lora_rank > 0:  # a preset name, or module names (not both)
             try:
                 lora_target_modules(self.lora_targets)
@@ -92,9 +93,7 @@ class RewardConfig:
     def __post_init__(self) -> None:
         check_section(self, "reward", at_least={"batch_size": 0}, non_negative=("timeout",))
         check_reward_spec("reward.name", self.name)
-        if not re.fullmatch(r"|cpu|cuda(:\d+)?", self.device):
-            raise ConfigError(f"reward.device must be '' (the trainer's device), cpu, cuda or "
-                              f"cuda:N; got {self.device!r}")
+        check_reward_device("reward.device", self.device, "the trainer's device")
 
 
 @dataclass

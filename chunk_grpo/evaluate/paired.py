@@ -43,6 +43,16 @@ def load_samples(eval_dir: str | Path) -> tuple[list[str], np.ndarray, dict]:
     return [r["prompt"] for r in rows], np.array([r["reward"] for r in rows]), settings
 
 
+# Settings an evaluation of an earlier version saved under another name.
+_FORMER_NAMES = {"run.seed": "seed"}
+
+
+def _setting(settings: dict, key: str):
+    """A saved setting by its dotted key, or by its former name; None when absent."""
+    value = settings.get(key)
+    return settings.get(_FORMER_NAMES.get(key, key)) if value is None else value
+
+
 def paired_difference(prompts: list[str], rewards: np.ndarray, settings: dict,
                       baseline_dir: str | Path) -> PairedDifference:
     """This evaluation minus the one in ``baseline_dir``, image by image.
@@ -53,12 +63,13 @@ def paired_difference(prompts: list[str], rewards: np.ndarray, settings: dict,
     base_prompts, base_rewards, base_settings = load_samples(baseline_dir)
     if base_prompts != list(prompts):
         raise ValueError(f"{baseline_dir} evaluated other prompts ({len(base_prompts)} images, "
-                         f"this run {len(prompts)}); use the same --prompts, --max-prompts and "
-                         "--images-per-prompt")
-    for key in ("seed", "images_per_prompt"):
-        if key in base_settings and key in settings and base_settings[key] != settings[key]:
-            raise ValueError(f"{baseline_dir} used {key}={base_settings[key]}, this run "
-                             f"{settings[key]}: a paired comparison needs the same initial noise")
+                         f"this run {len(prompts)}); use the same --data.eval_prompts, "
+                         "--max-prompts and --images-per-prompt")
+    for key in ("run.seed", "images_per_prompt"):
+        base, this = _setting(base_settings, key), _setting(settings, key)
+        if base is not None and this is not None and base != this:
+            raise ValueError(f"{baseline_dir} used {key}={base}, this run {this}: a paired "
+                             "comparison needs the same initial noise")
     # Round like the stored baseline, so identical images differ by exactly 0.
     diff = np.round(np.asarray(rewards, dtype=np.float64), SAMPLE_DECIMALS) - base_rewards
     mean, half = mean_ci95(diff)

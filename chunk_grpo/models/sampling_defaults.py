@@ -47,12 +47,15 @@ class SamplingDefaults:
 
 
 def apply_sampling_size(policy, height: int | None, width: int | None, *, source: str,
-                        found_file: bool, how: str = "--height H --width W") -> None:
+                        found_file: bool,
+                        how: str = "model.height and model.width (--model.height H "
+                                   "--model.width W)") -> None:
     """Set the policy's image size from the user's height/width, or keep the size its
     chunk_grpo.json gives. Without either, raise ValueError saying which setting to give."""
     if height or width:
         if not (height and width) and not found_file:
-            raise ValueError(f"give both height and width for {source} (it has no {CONFIG_NAME})")
+            raise ValueError(f"give both model.height and model.width for {source} (it has no "
+                             f"{CONFIG_NAME})")
         policy.height = height or policy.height
         policy.width = width or policy.width
         return

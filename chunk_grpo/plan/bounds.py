@@ -37,10 +37,10 @@ from chunk_grpo.plan.memory import (
 
 # The settings that size each part: what the one-line refusal tells to lower.
 _KEYS_OF_PART = (
-    ("the weights (fp32)", "--model (a smaller one)"),
-    ("the images kept", "--height x --width, --max-prompts, --images-per-prompt"),
-    ("one sampling", "--batch-size, --height x --width"),
-    ("one VAE", "--batch-size, --height x --width"),
+    ("the weights (fp32)", "model.name (a smaller one)"),
+    ("the images kept", "model.height x model.width, --max-prompts, --images-per-prompt"),
+    ("one sampling", "sampling.batch_size, model.height x model.width"),
+    ("one VAE", "sampling.batch_size, model.height x model.width"),
     ("rollout buffers", "sampling.group_size x sampling.prompts_per_step, model.height x "
                         "model.width"),
     ("activations (training", "optim.micro_batch_size, chunks, model.height x model.width"),

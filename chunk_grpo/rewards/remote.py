@@ -108,7 +108,7 @@ def parse_server_url(url: str) -> tuple[str, str, int, str]:
     if parts is None or parts[2] is None:
         raise RewardSpecError(f"reward server URL {url!r}: write remote:http://HOST:PORT, e.g. "
                               f"remote:http://127.0.0.1:8000 (start the server with python -m "
-                              f"chunk_grpo.reward_server --reward NAME --port 8000)")
+                              f"chunk_grpo.reward_server --reward.name NAME --port 8000)")
     return parts
 
 
@@ -142,8 +142,9 @@ class RemoteReward:
                     f"{err.attempts} times: {_BUSY_MEANING.get(err.status, 'busy')}") from None
             raise RewardUnavailableError(
                 f"reward server {self.url} did not answer {route} after {err.attempts} attempts "
-                f"(last: {err.last}); start it with `python -m chunk_grpo.reward_server --reward "
-                f"NAME --host {self.host} --port {self.port}` or fix the URL") from None
+                f"(last: {err.last}); start it with `python -m chunk_grpo.reward_server "
+                f"--reward.name NAME --host {self.host} --port {self.port}` or fix the URL"
+            ) from None
         if status != 200:
             try:
                 message = json.loads(data)["error"]

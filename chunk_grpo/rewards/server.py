@@ -1,8 +1,8 @@
 """Serve a reward over HTTP, for reward models that cannot live in the trainer's environment.
 
-    python -m chunk_grpo.reward_server --reward NAME --port P [--host 127.0.0.1] [--max-batch N]
-        [--token-file PATH] [--threads N] [--queue N] [--max-body-mb M] [--read-timeout S]
-        [--score-timeout S]
+    python -m chunk_grpo.reward_server --reward.name NAME --port P [--host 127.0.0.1]
+        [--reward.device DEVICE] [--max-batch N] [--token-file PATH] [--threads N] [--queue N]
+        [--max-body-mb M] [--read-timeout S] [--score-timeout S]
 
 NAME is any reward spec the trainer takes (a registered name, ``module:name``, or a mix
 ``a=1.0,b=0.5``); the trainer then uses ``--reward.name remote:http://HOST:P``

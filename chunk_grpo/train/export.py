@@ -1,7 +1,7 @@
 """The trained model, written in the formats a run asks for (`run.export`, `EXPORT_FORMATS`):
 
 - merged: ``final_model/``, a diffusers pipeline directory with any LoRA merged (what
-  ``python -m chunk_grpo.evaluate --model`` and `FluxPipeline.from_pretrained` load);
+  ``python -m chunk_grpo.evaluate --model.name`` and `FluxPipeline.from_pretrained` load);
 - lora: ``final_lora/pytorch_lora_weights.safetensors``, the adapters in diffusers' format
   (``transformer.<module>.lora_A.weight`` / ``lora_B.weight``) with peft's LoraConfig (rank,
   alpha, targets) in the file's metadata, so `FluxPipeline.load_lora_weights` on the base

@@ -259,7 +259,7 @@ def summary_text(*, run_dir: Path, reward: str, comparisons: list[Comparison], i
         quoted = shlex.quote(str(model_dir))
         lines.append(f"model     {model_dir}")
         lines.append(f"evaluate  python -m chunk_grpo.evaluate --out {eval_dir_hint}   (once)")
-        lines.append(f"          python -m chunk_grpo.evaluate --model {quoted} --compare "
+        lines.append(f"          python -m chunk_grpo.evaluate --model.name {quoted} --compare "
                      f"{eval_dir_hint}")
     exports = exports or {}
     if "lora" in exports:

@@ -1,5 +1,5 @@
 """End to end: the CLI trains, saves its config, profile, metrics, grids and a diffusers model
-that `python -m chunk_grpo.evaluate --model` accepts; faults stop the run cleanly; LoRA."""
+that `python -m chunk_grpo.evaluate --model.name` accepts; faults stop the run cleanly; LoRA."""
 
 import json
 
@@ -104,7 +104,7 @@ def test_cli_two_steps_auto_chunks_and_export(tiny_flux, tmp_path):
     result = evaluate_cli.main(["--model.name", str(out / "final_model"), "--reward.name",
                                 "test_brightness", "--max-prompts", "4", "--out",
                                 str(tmp_path / "eval"), "--hybrid-base", str(model),
-                                "--hybrid-steps", "2"])
+                                "--eval.hybrid_steps", "2"])
     assert result.n == 4 and 0.0 <= result.reward_mean <= 1.0
 
 

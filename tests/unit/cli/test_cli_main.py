@@ -49,7 +49,9 @@ def test_every_documented_python_m_command_is_a_command():
 
 
 @pytest.mark.parametrize("args", [["--help"], ["train", "--help"], ["evaluate", "--help"],
-                                  ["plan", "--help"], ["gradient_snr", "--help"]])
+                                  ["plan", "--help"], ["gradient_snr", "--help"],
+                                  ["credit", "--help"], ["profile", "--help"],
+                                  ["reward-server", "--help"], ["evaluate-clip", "--help"]])
 def test_help_answers_at_once_without_torch(args):
     result = _python("-c", HELP, *args)
     code, torch_loaded, seconds = result.stderr.split()[-3:]

@@ -48,11 +48,23 @@ def _cli(args: list[str], tmp_path: Path, timeout: float = 120) -> subprocess.Co
     (["chunk_grpo.train", "--optim.lrr", "1"], "'optim.lrr' in the command line; did you mean "
                                                "'optim.lr'?"),
     (["chunk_grpo.evaluate", "--images-per-prompt", "0"], "--images-per-prompt: must be >= 1"),
-    (["chunk_grpo.evaluate", "--batch-size", "0"], "--batch-size: must be >= 1"),
-    (["chunk_grpo.evaluate", "--eta", "nan"], "--eta: must be a finite number"),
+    (["chunk_grpo.evaluate", "--sampling.batch_size", "0"], "sampling.batch_size must be >= 1"),
+    (["chunk_grpo.evaluate", "--sampling.eta", "nan"], "sampling.eta must be a finite number"),
     (["chunk_grpo.evaluate", "--max-prompts", "0"], "--max-prompts: must be >= 1"),
-    (["chunk_grpo.credit", "--group-size", "1"], "--group-size: must be >= 2"),
-    (["chunk_grpo.profile", "--num-steps", "1"], "--num-steps: must be >= 2"),
+    (["chunk_grpo.evaluate", "--model", "DIR"], "--model is a section; set its keys, e.g. "
+                                                "--model.name VALUE"),
+    (["chunk_grpo.credit", "--sampling.group_size", "1", "--loss.adv_norm", "none"],
+     "sampling.group_size must be >= 2 to measure a spread"),
+    (["chunk_grpo.credit", "--kind", "dance"], "did you mean 'sampling.sde'?"),
+    (["chunk_grpo.profile", "--sampling.steps", "1"], "sampling.steps must be >= 2"),
+    (["chunk_grpo.profile", "--num-steps", "8"], "did you mean 'sampling.steps'?"),
+    (["chunk_grpo.reward_server", "--reward", "shapes", "--port", "0"],
+     "--reward is a section; set its keys, e.g. --reward.name VALUE"),
+    (["chunk_grpo.reward_server", "--port", "0"], "--reward.name is required"),
+    (["chunk_grpo.reward_server", "--reward.name", "shapes", "--reward.device", "gpu",
+      "--port", "0"], "reward.device must be '' (the reward's own default), cpu, cuda"),
+    (["chunk_grpo.evaluate_clip", "--seed", "1"], "did you mean 'run.seed'?"),
+    (["chunk_grpo.evaluate_clip", "--group", "1"], "--group must be >= 2"),
     (["chunk_grpo.pretrain", "--out", "x", "--steps", "0"], "--steps: must be >= 1"),
     (["chunk_grpo.gradient_snr", "--first-step", "-2"], "--first-step: must be >= 0"),
 ])
@@ -72,7 +84,7 @@ def test_help_answers_before_the_heavy_imports(tmp_path):
     imports = subprocess.run([sys.executable, "-X", "importtime", "-m", "chunk_grpo.evaluate",
                               "--help"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert result.returncode == 0 and "--optim.lr" in result.stdout
-    assert imports.returncode == 0 and "--batch-size" in imports.stdout
+    assert imports.returncode == 0 and "--sampling.batch_size" in imports.stdout
     loaded = {line.split("|")[-1].strip() for line in imports.stderr.splitlines()}
     assert not loaded & {"torch", "diffusers", "transformers"}
 
@@ -241,16 +253,17 @@ def test_ctrl_c_exits_130_naming_a_resumable_checkpoint(tmp_path, model):
 
 @pytest.mark.parametrize("extra, message", [
     (["--compare", "nowhere"], "--compare nowhere: no samples.jsonl there"),
-    (["--hybrid-base", "MODEL", "--hybrid-steps", "99"], "--hybrid-steps 99 exceeds the 2"),
-    (["--hybrid-steps", "2"], "--hybrid-steps needs --hybrid-base"),
+    (["--hybrid-base", "MODEL", "--eval.hybrid_steps", "99"],
+     "eval.hybrid_steps 99 exceeds the 2"),
+    (["--eval.hybrid_steps", "2"], "eval.hybrid_steps needs --hybrid-base"),
 ])
 def test_evaluate_argument_cases_are_config_errors(tmp_path, model, extra, message):
     from chunk_grpo.cli.evaluate import main as evaluate_main
 
     extra = [str(model) if word == "MODEL" else word for word in extra]
     with pytest.raises(ConfigError, match=message):
-        evaluate_main(["--model", str(model), "--out", str(tmp_path / "ev"), "--steps", "2",
-                       "--max-prompts", "1", *extra])
+        evaluate_main(["--model.name", str(model), "--out", str(tmp_path / "ev"),
+                       "--sampling.steps", "2", "--max-prompts", "1", *extra])
     assert not (tmp_path / "ev").exists()
 
 
@@ -259,8 +272,8 @@ def test_evaluate_checks_its_prompts_before_sampling(tmp_path, model):
 
     path, message = _prompt_case(tmp_path, "refused")
     with pytest.raises(ConfigError, match=message):
-        evaluate_main(["--model", str(model), "--out", str(tmp_path / "ev"), "--steps", "2",
-                       "--prompts", str(path)])
+        evaluate_main(["--model.name", str(model), "--out", str(tmp_path / "ev"),
+                       "--sampling.steps", "2", "--data.eval_prompts", str(path)])
     assert not (tmp_path / "ev").exists()
 
 

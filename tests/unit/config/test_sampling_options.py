@@ -41,9 +41,16 @@ def test_config_and_command_lines_use_the_same_lists():
         build_config(None, {"sampling.sde": "ode"})
     with pytest.raises(ConfigError, match="group_size must be even"):
         build_config(None, {"sampling.antithetic_noise": True, "sampling.group_size": 5})
-    sampler = next(a for a in evaluate_parser()._actions if a.dest == "sampler")
-    kind = next(a for a in credit_parser()._actions if a.dest == "kind")
-    assert tuple(sampler.choices) == SAMPLERS and tuple(kind.choices) == SDE_KINDS
+    # evaluate samples with any of SAMPLERS, credit (the training config) with an SDE kind
+    assert evaluate_parser().parse_config(["--sampling.sde", "ode"])[1].sampling.sde == "ode"
+    for kind in SAMPLERS:
+        assert evaluate_parser().parse_config(["--sampling.sde", kind])[1].sampling.sde == kind
+    with pytest.raises(ConfigError, match="sampling.sde must be one of ode, flow, dance, cps"):
+        evaluate_parser().parse_config(["--sampling.sde", "euler"])
+    for kind in SDE_KINDS:
+        assert credit_parser().parse_config(["--sampling.sde", kind])[1].sampling.sde == kind
+    with pytest.raises(ConfigError, match="sampling.sde must be one of flow, dance, cps, cps_mse"):
+        credit_parser().parse_config(["--sampling.sde", "ode"])
 
 
 def test_cfg_scale_defaults_to_the_models(tiny_flux):

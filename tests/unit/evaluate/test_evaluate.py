@@ -30,22 +30,9 @@ def test_cli_end_to_end(model_dir, tmp_path, capsys):
     prompts_file = tmp_path / "prompts.txt"
     prompts_file.write_text("\n".join(PROMPTS) + "\n")
     out = tmp_path / "eval"
-    result = main(
-        [
-            "--model",
-            str(model_dir),
-            "--prompts",
-            str(prompts_file),
-            "--out",
-            str(out),
-            "--steps",
-            "2",
-            "--images-per-prompt",
-            "2",
-            "--seed",
-            "1",
-        ]
-    )
+    result = main(["--model.name", str(model_dir), "--data.eval_prompts", str(prompts_file),
+                   "--out", str(out), "--sampling.steps", "2", "--images-per-prompt", "2",
+                   "--run.seed", "1"])
     captured = capsys.readouterr()
     printed = captured.out
     assert "95% CI, n=6" in printed
@@ -58,7 +45,10 @@ def test_cli_end_to_end(model_dir, tmp_path, capsys):
     for key in ("colour_acc", "shape_acc", "size_acc", "count_acc", "exact"):
         assert 0.0 <= metrics[key] <= 1.0
     assert metrics["sampling_seconds"] > 0
-    assert metrics["settings"]["num_steps"] == 2 and metrics["settings"]["sampler"] == "ode"
+    settings = metrics["settings"]
+    assert settings["sampling.steps"] == 2 and settings["sampling.sde"] == "ode"
+    assert settings["run.seed"] == 1 and settings["images_per_prompt"] == 2
+    assert settings["sampling.shift"] == 3.0 and settings["run.device"] == "cpu"
     # Two images per prompt: best of 2 is the mean of each prompt's better image.
     best = result.rewards.view(3, 2).max(dim=1).values
     assert metrics["best_of_2"]["mean"] == pytest.approx(best.mean().item())
@@ -132,7 +122,7 @@ def test_bad_arguments(policy, model_dir, tmp_path):
     with pytest.raises(ValueError, match="images_per_prompt"):
         evaluate_policy(policy, PROMPTS, images_per_prompt=0)
     with pytest.raises(ConfigError, match="hybrid-base"):
-        main(["--model", str(model_dir), "--out", str(tmp_path), "--hybrid-steps", "2"])
+        main(["--model.name", str(model_dir), "--out", str(tmp_path), "--eval.hybrid_steps", "2"])
     with pytest.raises(ValueError, match="captions"):
         captioned_grid(torch.zeros(2, 3, 8, 8), ["one caption"])
 
@@ -140,14 +130,15 @@ def test_bad_arguments(policy, model_dir, tmp_path):
 def test_compare_reports_the_paired_difference(model_dir, tmp_path, capsys):
     prompts_file = tmp_path / "prompts.txt"
     prompts_file.write_text("\n".join(PROMPTS) + "\n")
-    common = ["--model", str(model_dir), "--prompts", str(prompts_file), "--steps", "2"]
-    base = main([*common, "--out", str(tmp_path / "a"), "--seed", "3"])
+    common = ["--model.name", str(model_dir), "--data.eval_prompts", str(prompts_file),
+              "--sampling.steps", "2"]
+    base = main([*common, "--out", str(tmp_path / "a"), "--run.seed", "3"])
     # Same model, prompts and seed: every image is identical, so the difference is exactly 0.
     capsys.readouterr()
-    same = main([*common, "--out", str(tmp_path / "b"), "--seed", "3", "--quiet",
-                 "--compare", str(tmp_path / "a")])
+    same = main([*common, "--out", str(tmp_path / "b"), "--run.seed", "3", "--run.progress",
+                 "false", "--compare", str(tmp_path / "a")])
     captured = capsys.readouterr()
-    assert "sampling:" not in captured.err and "+0.0000" in captured.out  # --quiet: no bar
+    assert "sampling:" not in captured.err and "+0.0000" in captured.out  # no progress bar
     paired = json.loads((tmp_path / "b" / "metrics.json").read_text())["paired"]
     assert paired["diff_mean"] == 0.0 and paired["changed_fraction"] == 0.0
     assert paired["n"] == 3
@@ -171,8 +162,14 @@ def test_paired_difference_values_and_mismatches(tmp_path):
     assert d.changed_fraction == pytest.approx(2 / 3)
     with pytest.raises(ValueError, match="other prompts"):
         paired_difference(["p", "r", "q"], rewards, {"seed": 0}, base)
-    with pytest.raises(ValueError, match="seed=0, this run 1"):
+    with pytest.raises(ValueError, match="run.seed=0, this run 1"):
+        paired_difference(["p", "q", "r"], rewards, {"run.seed": 1}, base)
+    # a baseline saved by an earlier version names the seed "seed": still compared
+    with pytest.raises(ValueError, match="run.seed=0, this run 1"):
         paired_difference(["p", "q", "r"], rewards, {"seed": 1}, base)
+    (base / "metrics.json").write_text(json.dumps({"settings": {"run.seed": 2}}))
+    with pytest.raises(ValueError, match="run.seed=2, this run 0"):
+        paired_difference(["p", "q", "r"], rewards, {"run.seed": 0}, base)
     with pytest.raises(ValueError, match="not an evaluation directory"):
         paired_difference(["p"], rewards[:1], {}, tmp_path / "missing")
 
@@ -206,3 +203,56 @@ def test_fidelity_checks_are_reported_beside_a_reward_without_details(policy):
                                   guard=build_reward("jpeg_compressibility"))
     assert plain_guard.attributes["fidelity_score"] == pytest.approx(
         float(plain_guard.guard_scores.mean()))
+
+
+def test_settings_parse_under_the_configs_dotted_names():
+    from chunk_grpo.cli.evaluate import evaluate_parser
+
+    own, cfg = evaluate_parser().parse_config([
+        "--model.name", "M", "--model.height", "32", "--model.width", "48",
+        "--reward.name", "shapes=1.0,jpeg_compressibility=0.5", "--reward.device", "cpu",
+        "--data.eval_prompts", "shapes:train", "--sampling.steps", "4", "--sampling.shift", "2",
+        "--sampling.sde", "flow", "--sampling.eta", "0.3", "--sampling.cfg_scale", "0",
+        "--sampling.batch_size", "5", "--eval.hybrid_steps", "1", "--run.seed", "9",
+        "--run.device", "cpu", "--run.progress", "false", "--max-prompts", "2",
+        "--images-per-prompt", "3", "--hybrid-base", "B", "--out", "O"])
+    assert (cfg.model.name, cfg.model.height, cfg.model.width) == ("M", 32, 48)
+    assert (cfg.reward.name, cfg.reward.device) == ("shapes=1.0,jpeg_compressibility=0.5", "cpu")
+    s = cfg.sampling
+    assert (s.steps, s.shift, s.sde, s.eta, s.cfg_scale, s.batch_size) == (4, 2.0, "flow", 0.3,
+                                                                           0.0, 5)
+    assert cfg.data.eval_prompts == "shapes:train" and cfg.eval.hybrid_steps == 1
+    assert (cfg.run.seed, cfg.run.device, cfg.run.progress) == (9, "cpu", False)
+    assert own == {"out": "O", "images_per_prompt": 3, "max_prompts": 2, "hybrid_base": "B",
+                   "compare": None, "verbose": False}
+    # the evaluation's own defaults: the ODE, no noise, the model's steps, shift and CFG scale
+    _, cfg = evaluate_parser().parse_config([])
+    assert (cfg.sampling.sde, cfg.sampling.eta, cfg.sampling.steps, cfg.sampling.shift,
+            cfg.sampling.cfg_scale) == ("ode", 0.0, None, None, None)
+    assert (cfg.model.name, cfg.reward.name, cfg.data.eval_prompts) == (
+        "embedded", "shapes", "shapes:heldout")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--sampling.steps", "1"], "sampling.steps must be >= 2 or null"),
+    (["--sampling.sde", "sde"], "sampling.sde must be one of ode, flow, dance, cps, cps_mse"),
+    (["--sampling.eta", "-1"], "sampling.eta must be >= 0"),
+    (["--sampling.batch_size", "0"], "sampling.batch_size must be >= 1"),
+    (["--sampling.steps", "two"], "sampling.steps must be an int or null, got 'two'"),
+    (["--model.height", "8"], "model.height must be >= 16 pixels"),
+    (["--reward.device", "gpu"], "reward.device must be '' (the reward's own default)"),
+    (["--run.device", "tpu"], "run.device must be one of auto, cpu, cuda"),
+    (["--model", "M"], "--model is a section; set its keys, e.g. --model.name"),
+    (["--prompts", "f.txt"], "did you mean 'data.eval_prompts'"),
+    (["--sampler", "flow"], "did you mean 'sampling.sde'"),
+    (["--steps", "2"], "did you mean 'sampling.steps'"),
+    (["--quiet"], "did you mean 'run.progress'"),
+    (["--hybrid-steps", "2"], "did you mean 'eval.hybrid_steps'"),
+    (["--sampling.group_size", "2"], "unknown config key 'sampling.group_size'"),
+])
+def test_bad_settings_are_one_line_errors_naming_the_key(args, message):
+    from chunk_grpo.cli.evaluate import evaluate_parser
+
+    with pytest.raises(ConfigError) as err:
+        evaluate_parser().parse_config(args)
+    assert message in str(err.value) and "\n" not in str(err.value)

@@ -126,7 +126,7 @@ def test_evaluate_refuses_a_huge_image_before_loading_the_model(tmp_path, monkey
     line = _refused(lambda: evaluate.main(["--model.height", "100000", "--model.width", "100000",
                                            "--out", str(out)]), capsys)
     assert "the evaluation at 100000x100000 needs at least" in line
-    assert "lower --batch-size, --height x --width" in line
+    assert "lower sampling.batch_size, model.height x model.width" in line
     line = _refused(lambda: evaluate.main(["--images-per-prompt", "100000000", "--out",
                                            str(out)]), capsys)
     assert "its largest part is the images kept for scoring" in line

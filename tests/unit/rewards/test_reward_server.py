@@ -194,7 +194,7 @@ def test_a_server_that_is_down_is_a_quick_clear_error():
     assert time.monotonic() - start < 5
     message = str(err.value)
     assert message.startswith(f"reward server {url} did not answer /score after 3 attempts")
-    assert "python -m chunk_grpo.reward_server --reward NAME" in message
+    assert "python -m chunk_grpo.reward_server --reward.name NAME" in message
 
 
 def test_a_server_that_never_answers_times_out():
@@ -408,3 +408,24 @@ def test_bad_server_flags_are_one_line_and_a_public_host_is_warned_of(capsys):
         assert stop.value.code == 2 and "error:" in err[-1], flags
     assert [is_loopback(h) for h in ("127.0.0.1", "::1", "localhost", "0.0.0.0", "10.1.2.3")] \
         == [True, True, True, False, False]
+
+
+def test_server_settings_are_the_configs_reward_keys(capsys):
+    from chunk_grpo.cli.reward_server import reward_server_parser
+
+    own, cfg = reward_server_parser().parse_config(
+        ["--reward.name", "a=1.0,b=0.5", "--reward.device", "cuda:1", "--port", "0"])
+    assert (cfg.reward.name, cfg.reward.device, own["port"]) == ("a=1.0,b=0.5", "cuda:1", 0)
+    for argv, message in (
+            (["--reward", "shapes", "--port", "0"], "--reward is a section; set its keys, e.g. "
+                                                     "--reward.name VALUE"),
+            (["--reward.name", "shapes", "--device", "cpu", "--port", "0"],
+             "did you mean 'reward.device'?"),
+            (["--reward.name", "shapes", "--reward.device", "gpu", "--port", "0"],
+             "reward.device must be '' (the reward's own default), cpu, cuda or cuda:N"),
+            (["--reward.name", "a=x", "--port", "0"], "reward.name: reward entry 'a=x'"),
+            (["--port", "0"], "--reward.name is required")):
+        with pytest.raises(SystemExit) as stop:
+            server_main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert stop.value.code == 2 and len(err) == 1 and message in err[0], (argv, err)
