@@ -79,7 +79,7 @@ CELLS: dict[str, Cell] = {c.name: c for c in (
          {"sampling.algorithm": "g2rpo", "chunks.spec": "step", "chunks.size": None,
           "chunks.weighted": False, "chunks.fraction": 1.0}),
 )}
-CELL_KEYS = tuple(_CHUNK_GRPO)
+CELL_KEYS = (*_CHUNK_GRPO, "chunks.spec")
 
 # The ablation's base on top of the trainer's defaults; flags passed through override these.
 # The reward is JPEG compressibility alone, the reward its measured results use
@@ -104,7 +104,8 @@ TIME_LIMITED_MAX_STEPS = 1_000_000  # with a time budget the clock, not the step
 # 2-core AVX2 CPU, from measured CPU seconds (docs/results/ablation.md): 45 s of training
 # per run at 2 prompts x 8 images per iteration (~9.5 s each, ~5 iterations), 16 eval images.
 QUICK = dict(minutes=0.75, eval_images=16)
-QUICK_BASE = dict(prompts_per_step=2)  # unless passed: a default iteration (64 images) takes ~35 s
+# unless passed: a default iteration (64 images) takes ~35 s
+QUICK_BASE = {"sampling.prompts_per_step": 2}
 SHAPES_METRICS = (("colour", "colour_acc"), ("shape", "shape_acc"), ("count", "count_acc"),
                   ("position", "spatial_acc"))
 

@@ -111,7 +111,9 @@ def _config_error(err: Exception, cls: type, data: Mapping[str, Any]) -> ConfigE
         section, key = err.key_path
         hint = field_types(section_names(cls)[section])[key]
         value = data[section][key]
-        return ConfigError(f"{section}.{key} must be {_a(type_name(hint))}, got {value!r}"
+        kind = type_name(hint)
+        sep = ";" if kind.startswith("one of") else ","  # as the sections' own checks say it
+        return ConfigError(f"{section}.{key} must be {_a(kind)}{sep} got {value!r}"
                            f"{yaml_word_note(value)}")
     return ConfigError(" ".join(str(err).split()))
 

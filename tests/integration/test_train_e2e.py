@@ -133,7 +133,7 @@ def test_cli_trains_on_a_users_reward_module_and_resumes_with_it(tiny_flux, tmp_
 def test_hybrid_steps_beyond_the_evaluation_steps_fail_before_training(tiny_flux, tmp_path):
     # The tiny model samples evaluations in 5 steps; the default eval_hybrid_steps is 8.
     cfg = tiny_config(tiny_flux, tmp_path / "run", {"eval.hybrid_steps": 8})
-    with pytest.raises(ConfigError, match="eval_hybrid_steps=8 exceeds the 5 steps"):
+    with pytest.raises(ConfigError, match="eval.hybrid_steps=8 exceeds the 5 steps"):
         run(cfg)
     assert not (tmp_path / "run").exists()
 
@@ -314,10 +314,10 @@ def test_a_guard_that_cannot_score_the_training_prompts(tiny_flux, tmp_path, cap
     model = tiny_flux
     # named in eval.guard_reward: an error before the run directory exists
     named = tiny_config(model, tmp_path / "named", {"data.train_prompts": str(prompts),
-                                                    **{"eval.guard_reward": "shapes"}})
+                                                    "eval.guard_reward": "shapes"})
     with pytest.raises(ConfigError, match=r"^eval.guard_reward 'shapes' cannot score "
-                                          r"train_prompts: .*'a purple dog'.*; choose another "
-                                          r"eval.guard_reward, or none$"):
+                                          r"data.train_prompts: .*'a purple dog'.*; choose "
+                                          r"another eval.guard_reward, or none$"):
         run(named)
     assert not (tmp_path / "named").exists()
     # auto (the shapes checks for the shapes: evaluation prompts): scored at evaluations only

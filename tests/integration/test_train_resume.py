@@ -150,7 +150,7 @@ def test_resuming_a_finished_run_changes_nothing_unless_max_steps_is_raised(tiny
         run_command(lambda: main(["--resume", str(out), "--run.max_steps", "1"]), "prog")
     err = capsys.readouterr().err.strip().splitlines()
     assert stop.value.code == 2 and err[-1].startswith("prog: error: ")
-    assert "is at step 2, beyond max_steps 1: nothing to train and nothing changed" in err[-1]
+    assert "is at step 2, beyond run.max_steps 1: nothing to train and nothing changed" in err[-1]
     assert _files(out) == before
     main(["--resume", str(out), "--run.max_steps", "3"])  # raised: trains on, a new summary
     records = read_metrics(out / "metrics.jsonl")

@@ -103,7 +103,7 @@ def test_batch_split_antithetic_and_errors(policy):
     assert not torch.allclose(x[0] + x[1], whole.latents[0, 2] + whole.latents[1, 2], atol=1e-3)
     with pytest.raises(ValueError, match="branch_step must be in"):
         _sample(policy, 4)
-    with pytest.raises(ValueError, match="even group_size"):
+    with pytest.raises(ValueError, match="sampling.group_size must be even"):
         _sample(policy, 0, group_size=3, antithetic_noise=True)
 
 

@@ -169,6 +169,6 @@ def test_antithetic_pairs_take_opposite_noise(policies, shared):
     assert not torch.equal(r.latents[0, -1], r.latents[1, -1])
     plain = sample_rollouts(policy, PROMPTS[:2], RolloutSettings(**kw))
     assert torch.equal(plain.latents[0::2], r.latents[0::2])  # the first of each pair as before
-    with pytest.raises(ValueError, match="even group_size"):
+    with pytest.raises(ValueError, match="sampling.group_size must be even"):
         sample_rollouts(policy, PROMPTS[:2],
                         RolloutSettings(antithetic_noise=True, **dict(kw, group_size=3)))

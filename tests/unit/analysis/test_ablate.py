@@ -21,14 +21,14 @@ from chunk_grpo.train.metrics import read_metrics
 pytestmark = pytest.mark.usefixtures("brightness_reward")
 
 
-def tiny_base(model_dir, **extra):
+def tiny_base(model_dir, extra: dict | None = None):
     """Base flags of a tiny ablation: 5 steps, every one stochastic (4 trained transitions)."""
     values = {"model.name": str(model_dir), "reward.name": "test_brightness", "sampling.steps": 5,
               "sampling.group_size": 4, "sampling.prompts_per_step": 2,
               "optim.micro_batch_size": 4, "sampling.batch_size": 8,
               "model.mixed_precision": "no", "model.lora_rank": 0, "run.max_steps": 2,
               "sampling.eta": 0.7}
-    values.update(extra)
+    values.update(extra or {})
     return ablate.base_values(None, values)
 
 
@@ -137,9 +137,9 @@ def test_a_finished_run_is_not_retrained(finished, model, monkeypatch, capsys):
     monkeypatch.setattr(ablate, "train_run", no_training)
     monkeypatch.setattr(ablate, "load_policy", no_training)  # nor evaluated, nor the base
     # The same ablation from the command line: every flag a string, as typed.
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in tiny_base(model).items()]
+    flags = [f"--{k}={v}" for k, v in tiny_base(model).items()]
     again = ablate_cli.main(["--out", str(out), "--cells", "chunk2,g2rpo", "--seeds", "0",
-                         "--minutes", "0", "--eval.images", "4", *flags])
+                         "--minutes", "0", "--eval-images", "4", *flags])
     assert again == table
     assert table in capsys.readouterr().out
     assert (out / "cells" / "chunk2-s0" / "result.json").stat().st_mtime_ns == mtime
@@ -182,7 +182,8 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_result(finished, model,
 def test_a_resumed_run_gets_only_the_rest_of_its_time(model, tmp_path):
     """Stopped after one iteration that (say) used the whole budget: the resumed run trains one
     more iteration and stops, instead of a fresh budget."""
-    cfg = ablate.cell_config(tiny_base(model, max_steps=50), ablate.CELLS["chunk2"], seed=0,
+    cfg = ablate.cell_config(tiny_base(model, {"run.max_steps": 50}), ablate.CELLS["chunk2"],
+                             seed=0,
                              minutes=10.0)
     run_dir = tmp_path / "run"
 
@@ -208,11 +209,12 @@ def test_a_resumed_run_gets_only_the_rest_of_its_time(model, tmp_path):
 def test_quick_shortens_the_budget_unless_told_otherwise():
     quick = ablate.parse_ablation_args(["--quick"])
     assert quick.minutes == ablate.QUICK["minutes"] and quick.eval_images == 16
-    assert quick.base["prompts_per_step"] == 2 and quick.base["sde_window"] == 0
+    assert quick.base["sampling.prompts_per_step"] == 2 and quick.base["sampling.sde_window"] == 0
     assert [c.name for c in quick.cells] == list(ablate.CELLS) and quick.seeds == [0, 1, 2]
     told = ablate.parse_ablation_args(["--quick", "--minutes", "2", "--sampling.prompts_per_step",
-                                       "4", "--eval.images", "8", "--sampling.sde_window", "5"])
+                                       "4", "--eval-images", "8", "--sampling.sde_window", "5"])
     assert (told.minutes, told.eval_images) == (2.0, 8)
-    assert told.base["prompts_per_step"] == "4" and told.base["sde_window"] == "5"
+    assert told.base["sampling.prompts_per_step"] == 4 and told.base["sampling.sde_window"] == 5
     full = ablate.parse_ablation_args([])
-    assert (full.minutes, full.eval_images) == (10.0, 64) and "prompts_per_step" not in full.base
+    assert (full.minutes, full.eval_images) == (10.0, 64)
+    assert "sampling.prompts_per_step" not in full.base

@@ -42,7 +42,7 @@ def _cli(args: list[str], tmp_path: Path, timeout: float = 120) -> subprocess.Co
 
 @pytest.mark.parametrize("args, message", [
     (["chunk_grpo.train", "--lerning-rate", "1"], "unknown config key 'lerning_rate'"),
-    (["chunk_grpo.train", "--chunks.spec", "-1,4"], "chunks: chunk sizes must be >= 1"),
+    (["chunk_grpo.train", "--chunks.spec", "-1,4"], "chunks.spec: chunk sizes must be >= 1"),
     (["chunk_grpo.train", "--optim.lr", "nan"], "lr must be a finite number"),
     (["chunk_grpo.train", "--optim.lr=nan"], "optim.lr must be a finite number"),
     (["chunk_grpo.train", "--optim.lrr", "1"], "'optim.lrr' in the command line; did you mean "
@@ -91,7 +91,7 @@ def test_help_answers_before_the_heavy_imports(tmp_path):
 
 def test_malformed_yaml_names_the_file_and_line(tmp_path):
     path = tmp_path / "preset.yaml"
-    path.write_text("lr: 1e-3\nchunks: [2, 3\ngroup_size: 4\n")
+    path.write_text("optim.lr: 1e-3\nchunks.spec: [2, 3\nsampling.group_size: 4\n")
     with pytest.raises(ConfigError, match=r"preset.yaml' line 3, column \d+ is not valid YAML"):
         load_yaml(path)
     path.write_bytes("lr: 1e-3\n# caf\u00e9\n".encode("latin-1"))
@@ -100,14 +100,14 @@ def test_malformed_yaml_names_the_file_and_line(tmp_path):
 
 
 @pytest.mark.parametrize("key, value, message", [
-    ("lr", "inf", "lr must be a finite number"),
-    ("lr", -1e-3, "lr must be > 0"),
-    ("kl_coef", "nan", "kl_coef must be a finite number"),
-    ("kl_coef", -0.1, "kl_coef must be >= 0"),
-    ("adam_beta2", 1.0, r"adam_beta2 must be in \[0, 1\)"),
-    ("shift", 0.0, "shift must be > 0"),
-    ("max_minutes", "inf", "max_minutes must be a finite number"),
-    ("height", 8, "height must be >= 16 pixels"),
+    ("optim.lr", "inf", "optim.lr must be a finite number"),
+    ("optim.lr", -1e-3, "optim.lr must be > 0"),
+    ("loss.kl_coef", "nan", "loss.kl_coef must be a finite number"),
+    ("loss.kl_coef", -0.1, "loss.kl_coef must be >= 0"),
+    ("optim.beta2", 1.0, r"optim.beta2 must be in \[0, 1\)"),
+    ("sampling.shift", 0.0, "sampling.shift must be > 0"),
+    ("run.max_minutes", "inf", "run.max_minutes must be a finite number"),
+    ("model.height", 8, "model.height must be >= 16 pixels"),
 ])
 def test_numeric_fields_are_finite_and_in_range(key, value, message):
     with pytest.raises(ConfigError, match=message):
@@ -169,10 +169,10 @@ def test_bad_prompt_files_stop_before_the_run_directory(tmp_path, capsys, model,
                                                         case):
     path, message = _prompt_case(tmp_path, case)
     out = tmp_path / "run"
-    flag = "--" + which.replace("_", "-")
+    flag = f"--data.{which}"
     code, err = _one_line_exit(capsys, ["--model.name", str(model), "--reward.name", "shapes",
                                         "--run.output_dir", str(out), flag, str(path)])
-    assert code == 2 and f"{which}: " in err and message in err
+    assert code == 2 and f"data.{which}: " in err and message in err
     assert not out.exists()
 
 

@@ -106,7 +106,7 @@ def test_sde_window_sets_the_trained_transitions():
         ({"eval.hybrid_steps": -1}, "eval.hybrid_steps must be >= 0"),
         ({"optim.micro_batch_size": 0}, "optim.micro_batch_size must be >= 1"),
         ({"model.mixed_precision": "fp16"}, "model.mixed_precision must be one of auto, no, "
-                                            "bf16, got 'fp16'"),
+                                            "bf16; got 'fp16'"),
         ({"model.mixed_precision": False}, "got False \\(YAML reads an unquoted yes, no, on or "
                                            "off as true or false: quote the word\\)"),
         ({"parallel.reduce_dtype": "fp16"}, "parallel.reduce_dtype must be one of fp32, bf16"),

@@ -249,7 +249,7 @@ def test_cli_help_and_bad_flags_answer_in_one_line():
     help_text = _run("--help")
     assert help_text.returncode == 0 and "--gpu-memory" in help_text.stdout
     for args, expected in ((("--gpus", "0"), "must be >= 1"),
-                           (("--lora-rnak", "4"), "did you mean 'lora_rank'")):
+                           (("--lora-rnak", "4"), "did you mean 'model.lora_rank'")):
         result = _run(*args)
         assert result.returncode == 2, result.stderr
         assert expected in result.stderr and len(result.stderr.strip().splitlines()) == 1

@@ -89,22 +89,23 @@ def test_bad_specs_name_the_entry(spec, message):
 
 def test_config_takes_a_yaml_mapping_or_a_flag(tmp_path):
     path = tmp_path / "mix.yaml"
-    path.write_text(yaml.safe_dump({"reward": {"test_brightness": 1.0, "test_mix_red": 0.5},
-                                    "mix_advantage": "per_reward"}))
+    path.write_text(yaml.safe_dump({"reward": {"name": {"test_brightness": 1.0,
+                                                        "test_mix_red": 0.5},
+                                               "mix_advantage": "per_reward"}}))
     cfg = build_config(path)
     assert cfg.reward.name == "test_brightness=1.0,test_mix_red=0.5"
     assert cfg.reward.mix_advantage == "per_reward"
     _, overrides, _ = parse_args(["--reward.name", "test_brightness=1.0,my_mod:red=0.5"])
     assert build_config(None, overrides).reward.name == "test_brightness=1.0,my_mod:red=0.5"
-    with pytest.raises(ConfigError, match="reward: reward entry 'clip=x'"):
+    with pytest.raises(ConfigError, match="reward.name: reward entry 'clip=x'"):
         build_config(None, {"reward.name": "shapes,clip=x"})
-    with pytest.raises(ConfigError, match="reward: reward 'a'"):
+    with pytest.raises(ConfigError, match="reward.name: reward 'a'"):
         build_config(None, {"reward.name": {"a": [1]}})
     with pytest.raises(ConfigError, match="mix_advantage must be one of total, per_reward"):
         build_config(None, {"reward.mix_advantage": "mean"})
-    with pytest.raises(ConfigError, match="reward_device must be"):
+    with pytest.raises(ConfigError, match="reward.device must be"):
         build_config(None, {"reward.device": "gpu"})
-    with pytest.raises(ConfigError, match="reward_batch_size must be >= 0"):
+    with pytest.raises(ConfigError, match="reward.batch_size must be >= 0"):
         build_config(None, {"reward.batch_size": -1})
 
 
