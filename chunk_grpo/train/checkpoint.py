@@ -199,7 +199,9 @@ def _dcp(call):
     except CheckpointException as err:
         causes = [f[0] if isinstance(f, tuple) else f for f in err.failures.values()]
         for cause in causes:
-            if isinstance(cause, (CheckpointError, OSError)):
+            # Ctrl-C or SIGTERM while writing: the run stops as on any interrupt (the previous
+            # checkpoint is intact, this one was never published)
+            if isinstance(cause, (KeyboardInterrupt, CheckpointError, OSError)):
                 raise cause from None
         raise causes[0] if causes and isinstance(causes[0], Exception) else err from None
 

@@ -102,6 +102,23 @@ def test_checkpoints_are_atomic_and_pruned(tmp_path):
         load_checkpoint(tmp_path / "nothing")
 
 
+def test_ctrl_c_while_a_checkpoint_is_written_keeps_the_previous_one(tmp_path, monkeypatch):
+    """Ctrl-C inside DCP's writer is the KeyboardInterrupt itself (which the run turns into its
+    exit 130 naming a checkpoint), not DCP's wrapper; the half-written step is never published."""
+    from torch.distributed.checkpoint import filesystem
+
+    save_checkpoint(tmp_path, 1, {"x": torch.tensor([1]), "step": 1})
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(filesystem, "_write_item", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, 2, {"x": torch.tensor([2]), "step": 2})
+    assert latest_checkpoint(tmp_path).name == "step-00000001"
+    assert int(load_checkpoint(tmp_path)["x"]) == 1
+
+
 def test_resume_flag_continues_the_saved_run(tiny_flux, tmp_path):
     """`python -m chunk_grpo.train --resume DIR --max-steps N`: the saved config is the base,
     flags override it, and the run carries on from its last checkpoint."""
