@@ -50,20 +50,18 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> ChunkLayout:
     from chunk_grpo.data.prompts import load_prompts
     from chunk_grpo.runtime.precision import resolve_mixed_precision
     from chunk_grpo.train.plots import save_profile
-    from chunk_grpo.train.setup import load_policy, sampling_shift
+    from chunk_grpo.train.setup import dynamics_settings, load_policy
 
     device = resolve_device(cfg.run.device)
     check_writable_dir(own["out"], "--out")
     prompts = load_prompts(cfg.data.train_prompts)[:cfg.chunks.profile_prompts]
     policy = load_policy(cfg, device)
-    steps, shift = cfg.sampling.steps, sampling_shift(cfg, policy)
-    curve = measure_dynamics(
-        policy, prompts, num_steps=steps, shift=shift, cfg_scale=cfg.sampling.cfg_scale,
-        seed=cfg.run.seed, batch_size=cfg.sampling.batch_size,
-        mixed_precision=resolve_mixed_precision(cfg.model.mixed_precision, device).mode)
+    settings = dynamics_settings(
+        cfg, policy, resolve_mixed_precision(cfg.model.mixed_precision, device).mode)
+    curve = measure_dynamics(policy, prompts, **settings)
     layout = propose_chunks(curve, cfg.chunks.max_size, cfg.num_trained)
     print("step  sigma    L1rel")
-    sigmas = flux_sigmas(steps, shift)
+    sigmas = flux_sigmas(settings["num_steps"], settings["shift"])
     for t, v in enumerate(curve.tolist()):
         mark = "  (not trained)" if t >= cfg.num_trained else ""
         print(f"{t:4d}  {float(sigmas[t]):.4f}  {v:.5f}{mark}")

@@ -162,3 +162,9 @@ def _check_quantization(cfg: TrainConfig) -> None:
 def section_names(cls: type) -> dict[str, type]:
     """{section key: section class} of a config made of sections (`TrainConfig`)."""
     return {f.name: field_types(cls)[f.name] for f in dataclasses.fields(cls)}
+
+
+def key_paths(cls: type) -> tuple[str, ...]:
+    """Every key's dotted path (``optim.lr``) of a config made of sections, in field order."""
+    return tuple(f"{section}.{key}" for section, sub in section_names(cls).items()
+                 for key in field_types(sub))

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import draccus
 from draccus.utils import DecodingError, DraccusException, ParsingError
 
-from chunk_grpo.config.checks import field_types, section_names, yaml_word_note
+from chunk_grpo.config.checks import field_types, key_paths, section_names, yaml_word_note
 from chunk_grpo.config.describe import type_name
 from chunk_grpo.config.errors import ConfigError
 from chunk_grpo.config.reward_spec import RewardSpecError, format_reward_spec, parse_reward_spec
@@ -27,16 +27,14 @@ from chunk_grpo.config.reward_spec import RewardSpecError, format_reward_spec, p
 C = TypeVar("C")
 
 
-def _paths(cls: type) -> list[str]:
-    return [f"{section}.{key}" for section, sub in section_names(cls).items()
-            for key in field_types(sub)]
-
-
-def unknown_key(cls: type, key: str, where: str) -> ConfigError:
-    """The error for an unknown key, suggesting the path whose key matches (the right key in
-    the wrong section, or without its section) or the closest spelling."""
-    paths, leaf = _paths(cls), key.rpartition(".")[2]
-    renamed = [_RENAMED[key]] if _RENAMED.get(key) in paths else []
+def unknown_key(cls: type, key: str, where: str,
+                renamed: Mapping[str, str] | None = None) -> ConfigError:
+    """The error for an unknown key, suggesting the key it became (`_RENAMED`, or a command's
+    own ``renamed`` flags), the path whose key matches (the right key in the wrong section, or
+    without its section) or the closest spelling."""
+    paths, leaf = key_paths(cls), key.rpartition(".")[2]
+    became = {**_RENAMED, **(renamed or {})}.get(key)
+    renamed = [became] if became in paths else []
     close = renamed or [p for p in paths if p.endswith("." + leaf)] or \
         difflib.get_close_matches(key, paths, n=1)
     hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
@@ -175,7 +173,7 @@ def migrate_saved(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:
     their section (``lr`` -> ``optim.lr``, ``num_steps`` -> ``sampling.steps``)."""
     sections = section_names(cls)
     owner = {}  # key -> its only path, for keys that name one setting
-    for path in _paths(cls):
+    for path in key_paths(cls):
         owner.setdefault(path.partition(".")[2], []).append(path)
     out = {}
     for key, value in data.items():

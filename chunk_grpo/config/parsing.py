@@ -159,10 +159,7 @@ class ConfigArgumentParser(OneLineArgumentParser):
                 first = next(iter(field_types(section_names(self.config_class)[key])))
                 raise ConfigError(f"--{key} is a section; set its keys, e.g. --{key}.{first} "
                                   "VALUE (see --help)")
-            if key in self.renamed:
-                raise ConfigError(f"unknown config key {key!r} in the command line; did you mean "
-                                  f"{self.renamed[key]!r}?")
-            raise unknown_key(self.config_class, key, "the command line")
+            raise unknown_key(self.config_class, key, "the command line", self.renamed)
         values = vars(values)
         config = {k: _flag_value(self.config_dests[k], values.pop(k))
                   for k in list(values) if k in self.config_dests}

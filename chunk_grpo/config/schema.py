@@ -23,6 +23,8 @@ from chunk_grpo.config.checks import (
     check_reward_device,
     check_reward_spec,
     check_section,
+    key_paths,
+    section_names,
 )
 from chunk_grpo.config.decoding import merge_overrides
 from chunk_grpo.config.errors import ConfigError
@@ -346,7 +348,6 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(TrainConfig)}
+SECTIONS: dict[str, type] = section_names(TrainConfig)
 # Every key's dotted path, in the order of the sections and their fields.
-PATHS: tuple[str, ...] = tuple(f"{name}.{f.name}" for name, cls in SECTIONS.items()
-                               for f in dataclasses.fields(cls))
+PATHS: tuple[str, ...] = key_paths(TrainConfig)

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from chunk_grpo.config.errors import ConfigError
 from chunk_grpo.config.parsing import config_from_saved
 from chunk_grpo.config.schema import PATHS, TrainConfig
-from chunk_grpo.runtime.parallelize import unwrapped
+from chunk_grpo.runtime.parallelize import all_finite, unwrapped
 from chunk_grpo.train.checkpoint import (
     CheckpointError,
     ModelState,
@@ -62,7 +62,7 @@ class RunState(Stateful):
     def state_dict(self) -> dict:
         tr = self.tr
         return {"step": self.step, "bad_streak": self.bad_streak,
-                "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                "world_size": tr.info.world_size,
                 "scheduler": json.dumps(tr.scheduler.state_dict()),
                 "chunk_layout": list(tr.layout.sizes), "chunk_weights": tr.chunk_weights,
                 "config": json.dumps(tr.cfg.to_dict()), "counts": json.dumps(dict(tr.counts)),
@@ -93,7 +93,10 @@ def trainer_state(tr: Trainer, step: int = 0, bad_streak: int = 0, *,
 
 
 def _nonfinite(tr: Trainer) -> list[str]:
-    """The trained tensors holding NaN/Inf on any rank (each rank checks its own shards)."""
+    """The trained tensors holding NaN/Inf on any rank (each rank checks its own shards); the
+    names are gathered only when `all_finite`'s one collective finds some."""
+    if all_finite(tr.params, tr.info.device):
+        return []
     bad = [name for name, p in unwrapped(tr.module).named_parameters() if p.requires_grad
            and not bool(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all())]
     if not dist.is_initialized():

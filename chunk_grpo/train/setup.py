@@ -376,6 +376,14 @@ def build_policy(cfg: TrainConfig, info: D.DistInfo) -> PolicySetup:
 
 # ----------------------------------------------------------------------------- the trainer
 
+def dynamics_settings(cfg: TrainConfig, policy: FluxPolicy, mixed_precision: str) -> dict:
+    """`measure_dynamics`'s settings for a run's temporal-dynamics profile (the run's steps,
+    shift, guidance, seed and batch), under the autocast ``mixed_precision``."""
+    return dict(num_steps=cfg.sampling.steps, shift=sampling_shift(cfg, policy),
+                cfg_scale=cfg.sampling.cfg_scale, seed=cfg.run.seed,
+                batch_size=cfg.sampling.batch_size, mixed_precision=mixed_precision)
+
+
 def resolve_layout(cfg: TrainConfig, policy: FluxPolicy, prompts: list[str], run_dir: Path,
                    info: D.DistInfo, sampler: Sampler | None = None
                    ) -> tuple[ChunkLayout, torch.Tensor | None]:
@@ -393,10 +401,7 @@ def resolve_layout(cfg: TrainConfig, policy: FluxPolicy, prompts: list[str], run
             # Once for the job, under the run's autocast (FSDP: the ranks split the prompts).
             curve = shared_dynamics(policy, prompts[:cfg.chunks.profile_prompts], info=info,
                                     sharded=cfg.parallel.mode == "fsdp",
-                                    num_steps=cfg.sampling.steps, shift=sampling_shift(cfg, policy),
-                                    cfg_scale=cfg.sampling.cfg_scale, seed=cfg.run.seed,
-                                    batch_size=cfg.sampling.batch_size,
-                                    mixed_precision=cfg.model.mixed_precision)
+                                    **dynamics_settings(cfg, policy, cfg.model.mixed_precision))
         if layout is None:
             layout = propose_chunks(curve, cfg.chunks.max_size, cfg.num_trained)
         if info.is_main:
